@@ -1,0 +1,23 @@
+"""AttnRes: Attention Residuals (Kimi Team, arXiv 2603.15031) for Hugging Face Transformers.
+
+Importing the package registers `model_type="attnres"` with AutoConfig, AutoModel and AutoModelForCausalLM.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_attnres import SUPPORTED_FAMILIES, AttnResConfig
+from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel
+
+__version__ = "0.1.0"
+
+AutoConfig.register("attnres", AttnResConfig, exist_ok=True)
+AutoModel.register(AttnResConfig, AttnResModel, exist_ok=True)
+AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
+
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "AttnResConfig",
+    "AttnResForCausalLM",
+    "AttnResModel",
+    "AttnResPreTrainedModel",
+]

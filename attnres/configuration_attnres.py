@@ -1,0 +1,133 @@
+"""Configuration of Block / Full Attention Residuals (Kimi Team, arXiv 2603.15031) around a source architecture.
+
+`AttnResConfig` nests the full config of the source family (`text_config`, as multimodal configs do) and adds the
+AttnRes settings. Attributes of the source architecture (`hidden_size`, `vocab_size`, ...) read through to
+`text_config`, so code written for the source model keeps working on `model.config`.
+
+This file is copied next to the weights as remote code: it imports only `transformers`.
+"""
+
+import math
+
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.configuration_utils import SubConfigSpec
+
+# Source families whose decoder layers AttnRes rewires (the `model_type` of their text config).
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text")
+# Families that normalise after the residual add: their sublayers do not start with a norm, so a mixture over depth
+# would change what they read (AttnRes needs PreNorm, paper §3).
+POST_NORM_FAMILIES = ("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert", "olmo2", "olmo3")
+MODES = ("block", "full")
+IMPLEMENTATIONS = ("two_phase", "naive")
+DEFAULT_NUM_BLOCKS = 8
+
+
+def _check_family(text_config: PreTrainedConfig) -> None:
+    model_type = text_config.model_type
+    supported = ", ".join(SUPPORTED_FAMILIES)
+    if model_type in POST_NORM_FAMILIES or (model_type == "opt" and not text_config.do_layer_norm_before):
+        raise ValueError(
+            f"text_config: '{model_type}' is a post-norm architecture; AttnRes needs PreNorm sublayers. "
+            f"Supported families: {supported}."
+        )
+    if model_type == "gemma3":
+        raise ValueError(
+            "text_config: 'gemma3' is the multimodal Gemma3 config; pass its text part (`config.text_config`, "
+            f"model_type 'gemma3_text'). Supported families: {supported}."
+        )
+    if model_type not in SUPPORTED_FAMILIES:
+        raise ValueError(f"text_config: unsupported family '{model_type}'. Supported families: {supported}.")
+
+
+class AttnResConfig(PreTrainedConfig):
+    r"""
+    Args:
+        text_config (`dict` or `PreTrainedConfig`):
+            The full config of the source architecture (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma3 text).
+        attnres_mode (`str`, defaults to `"block"`):
+            `"block"`: each sublayer attends over the token embedding, the sums of the completed blocks and the partial
+            sum of the current block. `"full"`: each sublayer attends over the embedding and every earlier sublayer output.
+        attnres_block_size (`int`, *optional*):
+            Decoder layers per block for `"block"` mode (the paper's `block_size` counts sublayers: it is twice this).
+            Blocks start at the decoder layers whose 0-based index is a multiple of it. Defaults to
+            `ceil(num_hidden_layers / 8)`, about 8 blocks. Ignored in `"full"` mode.
+        attnres_eps (`float`, *optional*):
+            Epsilon of the RMSNorm applied to the depth keys. Defaults to the source's `rms_norm_eps`.
+        attnres_implementation (`str`, defaults to `"two_phase"`):
+            `"two_phase"`: the completed blocks are scored once per decoder layer for both of its pseudo-queries, with
+            each block's RMS computed once, and the partial sum joins the softmax afterwards (paper Algorithm 1).
+            `"naive"`: the direct computation (stack, normalise, score, softmax, weighted sum) per sublayer, kept as
+            the reference the fast path is tested against.
+        attnres_scale_by_num_sources (`bool`, defaults to `False`):
+            Multiply each mixed sublayer input by its number of sources. With zero pseudo-queries the mixture is the
+            mean of the sources, i.e. the standard residual stream divided by their number; the sublayers' RMSNorm
+            cancels that scale except for its epsilon (`RMSNorm(h/k)` uses `eps*k^2`). Rescaling restores the stream
+            exactly, so converted checkpoints reproduce their source bit for bit up to float rounding. Converted models
+            turn it on; models trained from scratch can stay paper-literal (`False`).
+    """
+
+    model_type = "attnres"
+    _auto_class = "AutoConfig"  # save_pretrained copies this file next to the weights
+    sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
+
+    text_config: dict | PreTrainedConfig | None = None
+    attnres_mode: str = "block"
+    attnres_block_size: int | None = None
+    attnres_eps: float | None = None
+    attnres_implementation: str = "two_phase"
+    attnres_scale_by_num_sources: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        _check_family(self.text_config)
+        # The flag lives in the text config of the source; the tying machinery reads it from the top-level config.
+        self.tie_word_embeddings = self.tie_word_embeddings or self.text_config.tie_word_embeddings
+        num_layers = self.text_config.num_hidden_layers
+        if self.attnres_mode not in MODES:
+            raise ValueError(f"attnres_mode: got {self.attnres_mode!r}, expected one of {MODES}.")
+        if self.attnres_implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"attnres_implementation: got {self.attnres_implementation!r}, expected one of {IMPLEMENTATIONS}."
+            )
+        if self.attnres_block_size is None:
+            self.attnres_block_size = math.ceil(num_layers / DEFAULT_NUM_BLOCKS)
+        if not isinstance(self.attnres_block_size, int) or not 1 <= self.attnres_block_size <= num_layers:
+            raise ValueError(
+                f"attnres_block_size: got {self.attnres_block_size!r}, expected an integer number of decoder layers "
+                f"per block from 1 to num_hidden_layers={num_layers}."
+            )
+        if self.attnres_eps is None:
+            self.attnres_eps = self.text_config.rms_norm_eps
+        if not self.attnres_eps > 0:
+            raise ValueError(f"attnres_eps: got {self.attnres_eps!r}, expected a positive float.")
+
+    def __getattr__(self, name: str):
+        # Only reached for attributes this config lacks: read through to the source architecture's config.
+        text_config = self.__dict__.get("text_config")
+        if text_config is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(text_config, name)
+
+    def sublayer_starts_block(self, sublayer_index: int) -> bool:
+        """Whether sublayer `sublayer_index` (0-based; attention = 2*layer, MLP = 2*layer + 1) opens a new block.
+
+        The paper's rule `layer_number % (block_size // 2) == 0` on the 0-based index (paper.md §1.5, A2); in Full mode
+        every sublayer output is a source of its own.
+        """
+        if self.attnres_mode == "full":
+            return True
+        return sublayer_index % (2 * self.attnres_block_size) == 0
+
+    def num_sources(self) -> list[int]:
+        """How many sources each sublayer attends over, in order (A0, M0, A1, ...), then the output aggregation."""
+        counts, completed, has_partial = [], 0, True  # before layer 0 the partial sum is the embedding
+        for sublayer in range(2 * self.text_config.num_hidden_layers):
+            if self.sublayer_starts_block(sublayer):
+                completed, has_partial = completed + 1, False
+            counts.append(completed + has_partial)
+            has_partial = True
+        return counts + [completed + 1]
+
+
+__all__ = ["AttnResConfig", "SUPPORTED_FAMILIES"]

@@ -1,0 +1,351 @@
+"""The AttnRes model pair: exactness against the source, the fast path against the reference, and the transformers
+features users rely on (cache, padding, loss, checkpointing, save/load as remote code)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny import FAMILIES, VOCAB, attnres_twin, randomize_depth_parameters, tiny_source_config, tiny_source_model
+from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
+
+import attnres
+from attnres.configuration_attnres import SUPPORTED_FAMILIES
+
+
+def random_ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_zero_queries_reproduce_source_exactly(family):
+    source = tiny_source_model(family)
+    model = attnres_twin(source, attnres_block_size=2, attnres_scale_by_num_sources=True)
+    ids = random_ids()
+    with torch.no_grad():
+        diff = (source(ids).logits - model(ids).logits).abs().max().item()
+    assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_paper_literal_zero_queries_match_source_argmax(family):
+    # Without rescaling, each sublayer reads the stream divided by its number of sources; RMSNorm cancels that except
+    # for its epsilon. On a stream of realistic magnitude (not 0.02-std toy embeddings) the argmax barely moves.
+    source = tiny_source_model(family, initializer_range=0.1)
+    model = attnres_twin(source, attnres_block_size=2, attnres_scale_by_num_sources=False)
+    ids = random_ids(batch=4, length=64)
+    with torch.no_grad():
+        source_logits, logits = source(ids).logits, model(ids).logits
+    agreement = (source_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
+    print(f"{family}: paper-literal max abs logit diff {(source_logits - logits).abs().max():.2e}, argmax {agreement:.4f}")
+    assert agreement >= 0.99
+
+
+@pytest.mark.parametrize(
+    "mode,block_size,num_layers",
+    [("block", 1, 5), ("block", 2, 5), ("block", 3, 7), ("block", 5, 5), ("full", None, 4)],
+)
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
+def test_two_phase_equals_direct_forward_and_gradients(family, mode, block_size, num_layers):
+    source = tiny_source_model(family, num_layers=num_layers)
+    model = attnres_twin(source, seed=1, attnres_mode=mode, attnres_block_size=block_size).train()
+    ids = random_ids()
+    results = {}
+    for implementation in ("naive", "two_phase"):
+        model.config.attnres_implementation = implementation
+        model.zero_grad()
+        torch.manual_seed(0)
+        logits = model(ids).logits
+        (logits.float().square().mean()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results[implementation] = logits.detach(), grads
+    (naive_logits, naive_grads), (fast_logits, fast_grads) = results["naive"], results["two_phase"]
+    assert (naive_logits - fast_logits).abs().max().item() <= 1e-5
+    assert naive_grads.keys() == fast_grads.keys()
+    for name in naive_grads:
+        assert (naive_grads[name] - fast_grads[name]).abs().max().item() <= 1e-5, name
+
+
+def test_source_bookkeeping_matches_paper():
+    # Kimi Linear 48B: 27 layers, 3 layers (6 sublayers) per block -> 9 blocks + embedding = 10 output sources.
+    config = attnres.AttnResConfig(text_config=tiny_source_config("llama", num_layers=27), attnres_block_size=3)
+    counts = config.num_sources()
+    assert len(counts) == 2 * 27 + 1 and counts[-1] == 10
+    # Worked example (paper.md 1.5): 4 layers, 2 per block.
+    config = attnres.AttnResConfig(text_config=tiny_source_config("llama", num_layers=4), attnres_block_size=2)
+    assert config.num_sources() == [1, 2, 2, 2, 2, 3, 3, 3, 3]
+    # Full: the embedding and every earlier sublayer output.
+    config = attnres.AttnResConfig(text_config=tiny_source_config("llama", num_layers=3), attnres_mode="full")
+    assert config.num_sources() == [1, 2, 3, 4, 5, 6, 7]
+    # Default block size gives about 8 blocks.
+    config = attnres.AttnResConfig(text_config=tiny_source_config("llama", num_layers=30))
+    assert config.attnres_block_size == 4 and config.num_sources()[-1] == 9
+
+
+@pytest.mark.parametrize("implementation", ["two_phase", "naive"])
+def test_depth_weights_output_follows_bookkeeping(implementation):
+    model = attnres_twin(tiny_source_model("llama", num_layers=7), attnres_block_size=3)
+    model.config.attnres_implementation = implementation
+    with torch.no_grad():
+        out = model(random_ids(length=9), output_depth_weights=True)
+    assert [w.shape[-1] for w in out.depth_weights] == model.config.num_sources()
+    for weights, count in zip(out.depth_weights, model.config.num_sources()):
+        assert weights.shape[:2] == (2, 9)
+        torch.testing.assert_close(weights, torch.full_like(weights, 1 / count))  # zero queries: uniform
+
+
+def test_first_sublayer_reads_the_embedding():
+    model = attnres_twin(tiny_source_model("llama"), seed=3)
+    ids = random_ids()
+    seen = {}
+    model.model.layers[0].input_layernorm.register_forward_hook(lambda m, args, out: seen.update(x=args[0]))
+    with torch.no_grad():
+        model(ids)
+    torch.testing.assert_close(seen["x"], model.model.embed_tokens(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3_text", "mixtral"])
+def test_generate_with_and_without_cache(family):
+    model = attnres_twin(tiny_source_model(family), seed=2)
+    prompt = random_ids(batch=1, length=7)
+    kwargs = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert cached.shape[1] == 7 + 32
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
+def test_left_padded_batch_matches_single_prompts(family):
+    model = attnres_twin(tiny_source_model(family), seed=4)
+    prompts = [random_ids(1, n, seed=n)[0] for n in (5, 9, 12)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    batched = model.generate(ids, attention_mask=mask, **kwargs)[:, width:]
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], **kwargs)[0, len(prompt) :]
+        assert torch.equal(batched[row], alone), row
+
+
+def test_eager_and_sdpa_agree():
+    source = tiny_source_model("llama")
+    model = attnres_twin(source, seed=5)
+    ids = random_ids()
+    with torch.no_grad():
+        sdpa = model(ids).logits
+        model.set_attn_implementation("eager")
+        assert model.config.text_config._attn_implementation == "eager"
+        eager = model(ids).logits
+    torch.testing.assert_close(sdpa, eager, rtol=0, atol=1e-5)
+
+
+def test_hidden_states_and_attentions_outputs():
+    model = attnres_twin(tiny_source_model("llama", num_layers=4), seed=6)
+    model.set_attn_implementation("eager")
+    ids = random_ids(length=10)
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True, output_attentions=True)
+    assert len(out.hidden_states) == 4 + 1 and len(out.attentions) == 4
+    torch.testing.assert_close(out.hidden_states[0], model.model.embed_tokens(ids))
+    assert out.attentions[0].shape == (2, 4, 10, 10)
+
+
+def test_labels_give_the_causal_lm_loss():
+    model = attnres_twin(tiny_source_model("qwen3"), seed=7)
+    ids = random_ids()
+    out = model(ids, labels=ids)
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, expected)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_router_aux_loss(family):
+    model = attnres_twin(tiny_source_model(family), seed=8)
+    ids = random_ids()
+    plain = model(ids, labels=ids)
+    with_aux = model(ids, labels=ids, output_router_logits=True)
+    assert plain.aux_loss is None and with_aux.aux_loss is not None and with_aux.aux_loss > 0
+    assert len(with_aux.router_logits) == model.config.num_hidden_layers
+    coef = model.config.text_config.router_aux_loss_coef
+    torch.testing.assert_close(with_aux.loss, plain.loss + coef * with_aux.aux_loss)
+
+
+def test_tied_embeddings():
+    model = attnres_twin(tiny_source_model("llama"))  # tie_word_embeddings=True in the tiny llama
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    untied = attnres_twin(tiny_source_model("qwen2"))
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+
+
+def test_bf16_forward_close_to_fp32():
+    model = attnres_twin(tiny_source_model("llama"), seed=9)
+    ids = random_ids()
+    with torch.no_grad():
+        reference = model(ids).logits
+        half = model.to(torch.bfloat16)(ids).logits
+    assert half.dtype == torch.bfloat16
+    assert (half.float() - reference).abs().max().item() < 0.1 * reference.abs().max().item()
+
+
+def test_one_step_trains_every_query_with_more_than_one_source():
+    model = attnres_twin(tiny_source_model("llama", num_layers=5), attnres_block_size=2).train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "_res_proj" in n}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = random_ids()
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    counts = model.config.num_sources()
+    names = [f"model.layers.{i}.{kind}_res_proj.weight" for i in range(5) for kind in ("self_attention", "mlp")]
+    names.append("model.output_attn_res_proj.weight")
+    for name, count in zip(names, counts):
+        changed = not torch.equal(before[name], model.get_parameter(name))
+        assert changed == (count > 1), (name, count)
+
+
+def test_activation_checkpointing_gives_same_gradients():
+    model = attnres_twin(tiny_source_model("mistral"), seed=10).train()
+    ids = random_ids()
+
+    def gradients():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    model.activation_checkpointing_enable()
+    assert model.model.layers[0].gradient_checkpointing
+    checkpointed = gradients()
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(plain[name], checkpointed[name], rtol=0, atol=1e-6)
+
+
+def test_auto_classes_are_registered():
+    config = attnres.AttnResConfig(text_config=tiny_source_config("qwen2"))
+    assert type(AutoModelForCausalLM.from_config(config)) is attnres.AttnResForCausalLM
+    assert type(AutoModel.from_config(config)) is attnres.AttnResModel
+    assert config.hidden_size == 64  # read through to the source config
+
+
+LOAD_SCRIPT = """
+import sys, torch
+sys.modules["attnres"] = None  # the package must not be needed
+from transformers import AutoModel, AutoModelForCausalLM
+path, ids_file, out_file = sys.argv[1:4]
+ids = torch.load(ids_file)
+lm = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+base = AutoModel.from_pretrained(path, trust_remote_code=True).eval()
+assert type(lm).__module__.startswith("transformers_modules"), type(lm).__module__
+with torch.no_grad():
+    torch.save({"logits": lm(ids).logits, "hidden": base(ids).last_hidden_state}, out_file)
+"""
+
+
+def load_in_clean_process(path: str, ids: torch.Tensor, tmp_path, env: dict | None = None) -> dict:
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), **(env or {})}
+    subprocess.run(
+        [sys.executable, "-c", LOAD_SCRIPT, path, str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    return torch.load(tmp_path / "out.pt")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
+def test_save_and_load_as_remote_code_in_clean_process(family, tmp_path):
+    model = attnres_twin(tiny_source_model(family), seed=11)
+    model.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_attnres.AttnResConfig",
+        "AutoModel": "modeling_attnres.AttnResModel",
+        "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
+    }
+    assert {"configuration_attnres.py", "modeling_attnres.py"} <= set(os.listdir(tmp_path / "saved"))
+    ids = random_ids()
+    with torch.no_grad():
+        expected_logits = model(ids).logits
+        expected_hidden = model.model(ids).last_hidden_state
+    loaded = load_in_clean_process(str(tmp_path / "saved"), ids, tmp_path)
+    assert torch.equal(loaded["logits"], expected_logits)
+    assert torch.equal(loaded["hidden"], expected_hidden)
+
+
+def test_load_from_hub_cache_offline(tmp_path):
+    model = attnres_twin(tiny_source_model("qwen3"), seed=12)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--user--attnres-test"
+    model.save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    ids = random_ids()
+    with torch.no_grad():
+        expected = model(ids).logits
+    loaded = load_in_clean_process(
+        "user/attnres-test", ids, tmp_path, env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    )
+    assert torch.equal(loaded["logits"], expected)
+    assert (tmp_path / "modules" / "transformers_modules" / "user").is_dir()  # loaded through the Hub code path
+
+
+def test_reload_in_process_keeps_trained_depth_parameters(tmp_path):
+    model = attnres_twin(tiny_source_model("gemma3_text"), seed=13)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is attnres.AttnResForCausalLM
+    ids = random_ids()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (dict(attnres_mode="sparse"), "attnres_mode"),
+        (dict(attnres_block_size=0), "attnres_block_size"),
+        (dict(attnres_block_size=6), "attnres_block_size"),
+        (dict(attnres_implementation="fast"), "attnres_implementation"),
+        (dict(attnres_eps=0.0), "attnres_eps"),
+    ],
+)
+def test_invalid_settings_raise(settings, message):
+    with pytest.raises(ValueError, match=message):
+        attnres.AttnResConfig(text_config=tiny_source_config("llama", num_layers=5), **settings)
+
+
+@pytest.mark.parametrize(
+    "text_config,message",
+    [
+        (dict(model_type="gpt2"), "unsupported family 'gpt2'"),
+        (dict(model_type="bert"), "post-norm"),
+        (dict(model_type="opt", do_layer_norm_before=False), "post-norm"),
+        (dict(model_type="gemma3"), "text part"),
+    ],
+)
+def test_unsupported_families_raise(text_config, message):
+    with pytest.raises(ValueError, match=message) as error:
+        attnres.AttnResConfig(text_config=text_config)
+    assert all(family in str(error.value) for family in SUPPORTED_FAMILIES)
+
+
+def test_config_round_trips_through_json(tmp_path):
+    config = attnres.AttnResConfig(
+        text_config=LlamaConfig(num_hidden_layers=3, hidden_size=32, intermediate_size=64, num_attention_heads=2),
+        attnres_mode="full",
+        attnres_scale_by_num_sources=True,
+    )
+    config.save_pretrained(tmp_path)
+    reloaded = attnres.AttnResConfig.from_pretrained(tmp_path)
+    assert reloaded.text_config.model_type == "llama" and reloaded.num_hidden_layers == 3
+    assert (reloaded.attnres_mode, reloaded.attnres_scale_by_num_sources) == ("full", True)
+    shutil.rmtree(tmp_path)

@@ -1,0 +1,70 @@
+"""Tiny randomly initialised source models of every supported family, for tests."""
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import attnres
+
+VOCAB = 96
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+FAMILY_OVERRIDES = {
+    "llama": dict(tie_word_embeddings=True),
+    "mistral": dict(sliding_window=6),
+    "qwen2": dict(),
+    "qwen3": dict(),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "gemma3_text": dict(
+        sliding_window=6,
+        layer_types=None,
+        query_pre_attn_scalar=16,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+    ),
+}
+FAMILIES = tuple(FAMILY_OVERRIDES)
+
+
+def tiny_source_config(family: str, num_layers: int = 5, **overrides):
+    kwargs = {**COMMON, **FAMILY_OVERRIDES[family], "num_hidden_layers": num_layers, **overrides}
+    if family == "gemma3_text":  # alternate sliding and full attention layers
+        kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def tiny_source_model(family: str, num_layers: int = 5, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_source_config(family, num_layers, **overrides)).eval()
+
+
+def attnres_twin(source, seed: int | None = None, **attnres_settings) -> attnres.AttnResForCausalLM:
+    """An AttnRes model holding the source's weights; with `seed`, random non-zero queries and key gains."""
+    config = attnres.AttnResConfig(text_config=source.config.to_dict(), **attnres_settings)
+    model = attnres.AttnResForCausalLM(config).eval()
+    result = model.load_state_dict(source.state_dict(), strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert all("_res_" in key for key in result.missing_keys), result.missing_keys
+    if seed is not None:
+        randomize_depth_parameters(model, seed)
+    return model
+
+
+def randomize_depth_parameters(model, seed: int = 0) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "_res_proj" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+            elif "_res_norm" in name:
+                parameter.copy_(1 + 0.3 * torch.randn(parameter.shape, generator=generator))
