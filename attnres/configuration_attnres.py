@@ -45,8 +45,9 @@ class AttnResConfig(PreTrainedConfig):
         text_config (`dict` or `PreTrainedConfig`):
             The full config of the source architecture (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma3 text).
         attnres_mode (`str`, defaults to `"block"`):
-            `"block"`: each sublayer attends over the token embedding, the sums of the completed blocks and the partial
-            sum of the current block. `"full"`: each sublayer attends over the embedding and every earlier sublayer output.
+            `"block"`: each sublayer attends over the token embedding, the sums of the completed blocks and the
+            partial sum of the current block. `"full"`: each sublayer attends over the embedding and every earlier
+            sublayer output.
         attnres_block_size (`int`, *optional*):
             Decoder layers per block for `"block"` mode (the paper's `block_size` counts sublayers: it is twice this).
             Blocks start at the decoder layers whose 0-based index is a multiple of it. Defaults to

@@ -127,8 +127,9 @@ def depth_mix_reference(
 
 
 def inverse_rms(values: torch.Tensor, eps: float) -> torch.Tensor:
-    """[..., d] -> [...] fp32."""
-    return torch.rsqrt(values.float().pow(2).mean(-1) + eps)
+    """[..., d] -> [...] fp32. One pass, no [..., d] temporary."""
+    values = values.float()
+    return torch.rsqrt(torch.linalg.vecdot(values, values) / values.shape[-1] + eps)
 
 
 def close_block(
@@ -168,15 +169,13 @@ def merge_partial_sum(
     if partial_sum is not None:
         partial_logit = (partial_sum.float() @ query) * inverse_rms(partial_sum, eps)  # [B,T]
         block_logits = torch.cat([block_logits, partial_logit.unsqueeze(-1)], dim=-1)
-    unnormalized = (block_logits - block_logits.amax(-1, keepdim=True)).exp()
-    weights = unnormalized / unnormalized.sum(-1, keepdim=True)
-    # softmax * number of sources; written as e / mean(e) it is exactly 1 per source at zero queries
-    value_weights = unnormalized / unnormalized.mean(-1, keepdim=True) if scale_by_num_sources else weights
-    value_weights = value_weights.to(completed_blocks.dtype)
+    weights = block_logits.softmax(-1)  # [B,T,S]
+    # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
+    value_weights = (weights * weights.shape[-1] if scale_by_num_sources else weights).to(completed_blocks.dtype)
     num_blocks = completed_blocks.shape[-2]
     mixed = (value_weights[..., None, :num_blocks] @ completed_blocks).squeeze(-2)  # [B,T,d]
     if partial_sum is not None:
-        mixed = mixed + value_weights[..., num_blocks:] * partial_sum
+        mixed = torch.addcmul(mixed, value_weights[..., num_blocks:], partial_sum)
     return mixed, weights
 
 
@@ -187,18 +186,22 @@ def depth_attention(
     partial_sum: torch.Tensor | None,
     pseudo_query: AttnResPseudoQuery,
     key_norm: AttnResKeyNorm,
-    block_logits: torch.Tensor | None = None,
+    phase_one: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The input of one sublayer: its sources are the completed blocks, then the partial sum if there is one."""
+    """The input of one sublayer: its sources are the completed blocks, then the partial sum if there is one.
+
+    `phase_one`: this sublayer's folded query [d] and block logits [B,T,n] when its layer already scored them.
+    """
     scale = config.attnres_scale_by_num_sources
     if config.attnres_implementation == "naive":
         sources = completed_blocks
         if partial_sum is not None:
             sources = torch.cat([completed_blocks, partial_sum.unsqueeze(-2)], dim=-2)
         return depth_mix_reference(sources, pseudo_query, key_norm, scale)
-    query = folded_query(pseudo_query, key_norm)
-    if block_logits is None:
-        block_logits = score_completed_blocks(completed_blocks, completed_inv_rms, query[None])[..., 0, :]
+    if phase_one is None:
+        query = folded_query(pseudo_query, key_norm)
+        phase_one = query, score_completed_blocks(completed_blocks, completed_inv_rms, query[None])[..., 0, :]
+    query, block_logits = phase_one
     return merge_partial_sum(block_logits, completed_blocks, partial_sum, query, key_norm.eps, scale)
 
 
@@ -250,7 +253,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             completed_blocks, completed_inv_rms = close_block(completed_blocks, completed_inv_rms, partial_sum, eps)
             partial_sum = None
 
-        block_logits = [None, None]
+        phase_one = [None, None]
         if config.attnres_implementation == "two_phase":  # both pseudo-queries of this layer in one pass
             queries = torch.stack(
                 [
@@ -259,11 +262,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 ]
             )
             block_logits = score_completed_blocks(completed_blocks, completed_inv_rms, queries).unbind(-2)
+            phase_one = list(zip(queries, block_logits, strict=True))
 
         # Attention sublayer
         attention_input, attention_depth_weights = depth_attention(
             config, completed_blocks, completed_inv_rms, partial_sum,
-            self.self_attention_res_proj, self.self_attention_res_norm, block_logits[0],
+            self.self_attention_res_proj, self.self_attention_res_norm, phase_one[0],
         )  # fmt: skip
         attention_output, _ = self.self_attn(
             hidden_states=self._norm(family.attention_input_norm, attention_input),
@@ -278,7 +282,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         # MLP sublayer
         mlp_input, mlp_depth_weights = depth_attention(
             config, completed_blocks, completed_inv_rms, partial_sum,
-            self.mlp_res_proj, self.mlp_res_norm, block_logits[1],
+            self.mlp_res_proj, self.mlp_res_norm, phase_one[1],
         )  # fmt: skip
         if self.mlp_starts_block:  # Full AttnRes: from here on the attention output is a source of its own
             completed_blocks, completed_inv_rms = close_block(completed_blocks, completed_inv_rms, partial_sum, eps)
@@ -439,7 +443,7 @@ class AttnResModel(AttnResPreTrainedModel):
         completed_blocks = inputs_embeds.new_zeros(*inputs_embeds.shape[:-1], 0, inputs_embeds.shape[-1])
         completed_inv_rms = inputs_embeds.new_zeros(*inputs_embeds.shape[:-1], 0, dtype=torch.float32)
         depth_weights = []
-        for decoder_layer, layer_type in zip(self.layers, layer_types):
+        for decoder_layer, layer_type in zip(self.layers, layer_types, strict=True):
             partial_sum, completed_blocks, completed_inv_rms, *layer_depth_weights = decoder_layer(
                 partial_sum,
                 completed_blocks,

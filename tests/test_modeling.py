@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from tiny import FAMILIES, VOCAB, attnres_twin, randomize_depth_parameters, tiny_source_config, tiny_source_model
+from tiny import FAMILIES, VOCAB, attnres_twin, tiny_source_config, tiny_source_model
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
 import attnres
@@ -40,7 +40,8 @@ def test_paper_literal_zero_queries_match_source_argmax(family):
     with torch.no_grad():
         source_logits, logits = source(ids).logits, model(ids).logits
     agreement = (source_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
-    print(f"{family}: paper-literal max abs logit diff {(source_logits - logits).abs().max():.2e}, argmax {agreement:.4f}")
+    diff = (source_logits - logits).abs().max().item()
+    print(f"{family}: paper-literal max abs logit diff {diff:.2e}, argmax agreement {agreement:.4f}")
     assert agreement >= 0.99
 
 
@@ -92,7 +93,7 @@ def test_depth_weights_output_follows_bookkeeping(implementation):
     with torch.no_grad():
         out = model(random_ids(length=9), output_depth_weights=True)
     assert [w.shape[-1] for w in out.depth_weights] == model.config.num_sources()
-    for weights, count in zip(out.depth_weights, model.config.num_sources()):
+    for weights, count in zip(out.depth_weights, model.config.num_sources(), strict=True):
         assert weights.shape[:2] == (2, 9)
         torch.testing.assert_close(weights, torch.full_like(weights, 1 / count))  # zero queries: uniform
 
@@ -205,7 +206,7 @@ def test_one_step_trains_every_query_with_more_than_one_source():
     counts = model.config.num_sources()
     names = [f"model.layers.{i}.{kind}_res_proj.weight" for i in range(5) for kind in ("self_attention", "mlp")]
     names.append("model.output_attn_res_proj.weight")
-    for name, count in zip(names, counts):
+    for name, count in zip(names, counts, strict=True):
         changed = not torch.equal(before[name], model.get_parameter(name))
         assert changed == (count > 1), (name, count)
 
