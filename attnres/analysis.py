@@ -1,0 +1,330 @@
+"""Where each layer looks: depth-attention maps, magnitude profiles and gradient profiles (paper §5.2, Fig. 5 and 8).
+
+`analyze(...)` runs a model (and optionally its PreNorm source as a baseline) on real text and writes
+`depth_weights.png`, `magnitudes.png`, `gradients.png` and `analysis.json` with every number behind them.
+`depth_weight_entropy(...)` is the per-sublayer summary that training logs at evaluation steps.
+"""
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from torch import nn
+from transformers import PreTrainedModel
+
+from .configuration_attnres import AttnResConfig
+from .modeling_attnres import FAMILIES, AttnResForCausalLM
+
+# --------------------------------------------------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def depth_weight_entropy(depth_weights: tuple[torch.Tensor, ...]) -> list[float]:
+    """Mean over tokens of the entropy (nats) of each sublayer's softmax over its sources; 0 for a single source."""
+    return [float(-(w * w.clamp_min(1e-30).log()).sum(-1).mean()) for w in depth_weights]
+
+
+def sublayer_names(num_layers: int) -> list[str]:
+    """A0, M0, A1, M1, ...: attention and MLP sublayers of each decoder layer, in order."""
+    return [f"{kind}{layer}" for layer in range(num_layers) for kind in ("A", "M")]
+
+
+def source_columns(config: AttnResConfig) -> list[str]:
+    """Column labels of the depth-weight map: what a sublayer can attend to."""
+    if config.attnres_mode == "full":
+        return ["embedding"] + sublayer_names(config.num_hidden_layers)
+    num_blocks = sum(config.sublayer_starts_block(s) for s in range(0, 2 * config.num_hidden_layers, 2))
+    return ["embedding"] + [f"block {n}" for n in range(1, num_blocks)] + ["partial sum"]
+
+
+def depth_weight_map(config: AttnResConfig, depth_weights: tuple[torch.Tensor, ...]) -> list[list[float | None]]:
+    """Rows: sublayers then the output aggregation; columns: `source_columns`; None where a source is not visible."""
+    columns = source_columns(config)
+    rows = []
+    for sublayer, weights in enumerate(depth_weights):
+        mean_weights = weights.float().mean(dim=tuple(range(weights.dim() - 1))).tolist()
+        row = [None] * len(columns)
+        is_output = sublayer == len(depth_weights) - 1
+        has_partial = config.attnres_mode == "block" and (is_output or not config.sublayer_starts_block(sublayer))
+        completed = len(mean_weights) - has_partial
+        row[:completed] = mean_weights[:completed]
+        if has_partial:
+            row[-1] = mean_weights[-1]
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class SublayerProbe:
+    """Hooks that record, per sublayer, the RMS of what it reads and of what it writes."""
+
+    input_rms: list[float]
+    output_rms: list[float]
+    parameter_groups: list[list[nn.Parameter]]
+
+
+def _rms(hidden_states: torch.Tensor) -> float:
+    return float(hidden_states.detach().float().pow(2).mean(-1).sqrt().mean())
+
+
+def probe_sublayers(model: PreTrainedModel) -> tuple[SublayerProbe, list]:
+    """Install the hooks on an AttnRes model or a plain model of a supported family; returns (probe, handles)."""
+    text_config = model.config.text_config if isinstance(model.config, AttnResConfig) else model.config
+    family = FAMILIES[text_config.model_type]
+    layers = model.get_decoder().layers
+    probe = SublayerProbe(
+        input_rms=[0.0] * (2 * len(layers)), output_rms=[0.0] * (2 * len(layers)), parameter_groups=[]
+    )
+    handles = []
+
+    def record(values: list[float], index: int, take_input: bool):
+        def hook(module, args, output):
+            hidden_states = args[0] if take_input else (output[0] if isinstance(output, tuple) else output)
+            values[index] = _rms(hidden_states)
+
+        return hook
+
+    for layer_idx, layer in enumerate(layers):
+        sublayers = (
+            (family.attention_input_norm, layer.self_attn, family.attention_output_norm),
+            (family.mlp_input_norm, layer.mlp, family.mlp_output_norm),
+        )
+        for offset, (input_norm, body, output_norm) in enumerate(sublayers):
+            index = 2 * layer_idx + offset
+            writer = getattr(layer, output_norm) if output_norm else body
+            handles.append(getattr(layer, input_norm).register_forward_hook(record(probe.input_rms, index, True)))
+            handles.append(writer.register_forward_hook(record(probe.output_rms, index, False)))
+            modules = [getattr(layer, input_norm), body] + ([getattr(layer, output_norm)] if output_norm else [])
+            probe.parameter_groups.append([p for module in modules for p in module.parameters()])
+    return probe, handles
+
+
+def profile_model(model: PreTrainedModel, input_ids: torch.Tensor) -> dict:
+    """One forward and backward of the LM loss on `input_ids`: magnitudes, gradient norms, depth weights."""
+    probe, handles = probe_sublayers(model)
+    was_training = model.training
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    is_attnres = isinstance(model.config, AttnResConfig)
+    try:
+        extra = {"output_depth_weights": True} if is_attnres else {}
+        outputs = model(input_ids, labels=input_ids, **extra)
+        outputs.loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    gradient_norms = [
+        math.sqrt(sum(float(p.grad.float().pow(2).sum()) for p in group if p.grad is not None))
+        for group in probe.parameter_groups
+    ]
+    model.zero_grad(set_to_none=True)
+    profile = {
+        "loss": float(outputs.loss.detach()),
+        "input_rms": probe.input_rms,
+        "output_rms": probe.output_rms,
+        "gradient_norm": gradient_norms,
+    }
+    if is_attnres:
+        profile["depth_weights"] = tuple(w.detach() for w in outputs.depth_weights)
+    return profile
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Pictures
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _block_starts(config: AttnResConfig) -> list[int]:
+    return [s for s in range(1, 2 * config.num_hidden_layers) if config.sublayer_starts_block(s)]
+
+
+def plot_depth_weights(report: dict, config: AttnResConfig, path: Path) -> None:
+    rows = report["sublayers"] + ["output"]
+    matrix = torch.tensor([[math.nan if w is None else w for w in row] for row in report["depth_weights"]])
+    columns = report["sources"]
+    figure = Figure(figsize=(max(6.0, 0.45 * len(columns) + 3), max(5.0, 0.28 * len(rows) + 2)))
+    axes = figure.subplots()
+    image = axes.imshow(matrix.numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+    figure.colorbar(image, ax=axes, label="depth-attention weight (mean over tokens)")
+    axes.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=8)
+    labels = [f"{name} (attention)" if name.startswith("A") else f"{name} (MLP)" for name in rows[:-1]]
+    axes.set_yticks(range(len(rows)), labels + ["output aggregation"], fontsize=7)
+    if config.attnres_mode == "block":
+        for start in _block_starts(config):
+            axes.axhline(start - 0.5, color="white", linewidth=1.2)
+    axes.set_xlabel("source")
+    axes.set_ylabel("sublayer (white lines: block boundaries)" if config.attnres_mode == "block" else "sublayer")
+    layout = f"Block, {config.attnres_block_size} layers per block" if config.attnres_mode == "block" else "Full"
+    axes.set_title(f"Where each sublayer looks in depth ({layout})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def _profile_axes(report: dict, config: AttnResConfig, title: str, ylabel: str) -> tuple[Figure, Axes]:
+    figure = Figure(figsize=(10, 5))
+    axes = figure.subplots()
+    for start in _block_starts(config) if config.attnres_mode == "block" else []:
+        axes.axvline(start - 0.5, color="grey", linestyle=":", linewidth=0.8)
+    names = report["sublayers"]
+    step = max(1, len(names) // 24)
+    axes.set_xticks(range(0, len(names), step), names[::step], rotation=60, fontsize=8)
+    axes.set_xlabel("sublayer (dotted lines: block boundaries)" if config.attnres_mode == "block" else "sublayer")
+    axes.set_ylabel(ylabel)
+    axes.set_yscale("log")
+    axes.set_title(title)
+    return figure, axes
+
+
+def plot_magnitudes(report: dict, config: AttnResConfig, path: Path) -> None:
+    figure, axes = _profile_axes(report, config, "Magnitudes through depth", "RMS over hidden units (mean over tokens)")
+    x = range(len(report["sublayers"]))
+    magnitudes = report["magnitudes"]
+    axes.plot(x, magnitudes["attnres"]["output_rms"], "o-", color="C0", label="AttnRes: sublayer output")
+    axes.plot(x, magnitudes["attnres"]["input_rms"], "s--", color="C0", alpha=0.6, label="AttnRes: depth-mixed input")
+    if "baseline" in magnitudes:
+        axes.plot(x, magnitudes["baseline"]["output_rms"], "o-", color="C1", label="baseline: sublayer output")
+        axes.plot(
+            x, magnitudes["baseline"]["input_rms"], "s--", color="C1", alpha=0.6, label="baseline: residual stream"
+        )
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_gradients(report: dict, config: AttnResConfig, path: Path) -> None:
+    figure, axes = _profile_axes(report, config, "Gradient norm of the LM loss per sublayer", "gradient L2 norm")
+    x = range(len(report["sublayers"]))
+    axes.plot(x, report["gradients"]["attnres"], "o-", color="C0", label="AttnRes")
+    if "baseline" in report["gradients"]:
+        axes.plot(x, report["gradients"]["baseline"], "o-", color="C1", label="baseline (PreNorm)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def analyze(
+    model: AttnResForCausalLM,
+    input_ids: torch.Tensor,
+    output_dir: str | Path,
+    baseline: PreTrainedModel | None = None,
+) -> dict:
+    """Profile `model` (and `baseline`, a plain model of the same family) on `input_ids` [batch, tokens]; write the
+    three pictures and `analysis.json` into `output_dir`, and return the report."""
+    if not isinstance(model.config, AttnResConfig):
+        raise ValueError(
+            f"analyze: expected an AttnRes model, got {type(model).__name__}; pass a plain model as baseline"
+        )
+    config = model.config
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    input_ids = input_ids.to(model.device)
+    profile = profile_model(model, input_ids)
+    report = {
+        "model": str(config.name_or_path),
+        "mode": config.attnres_mode,
+        "block_size": config.attnres_block_size if config.attnres_mode == "block" else None,
+        "num_layers": config.num_hidden_layers,
+        "tokens": int(input_ids.numel()),
+        "sublayers": sublayer_names(config.num_hidden_layers),
+        "sources": source_columns(config),
+        "num_sources": config.num_sources(),
+        "depth_weights": depth_weight_map(config, profile["depth_weights"]),
+        "entropy": depth_weight_entropy(profile["depth_weights"]),
+        "max_entropy": [math.log(n) for n in config.num_sources()],
+        "loss": {"attnres": profile["loss"]},
+        "magnitudes": {"attnres": {"input_rms": profile["input_rms"], "output_rms": profile["output_rms"]}},
+        "gradients": {"attnres": profile["gradient_norm"]},
+    }
+    if baseline is not None:
+        baseline_profile = profile_model(baseline, input_ids.to(baseline.device))
+        report["loss"]["baseline"] = baseline_profile["loss"]
+        report["magnitudes"]["baseline"] = {
+            "input_rms": baseline_profile["input_rms"],
+            "output_rms": baseline_profile["output_rms"],
+        }
+        report["gradients"]["baseline"] = baseline_profile["gradient_norm"]
+    plot_depth_weights(report, config, output_dir / "depth_weights.png")
+    plot_magnitudes(report, config, output_dir / "magnitudes.png")
+    plot_gradients(report, config, output_dir / "gradients.png")
+    (output_dir / "analysis.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Command line: `attnres analyze`
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", help="AttnRes model: a folder written by `attnres convert` / `attnres train`, or a Hub id"
+    )
+    parser.add_argument(
+        "--baseline",
+        help="the PreNorm source model to draw on the same axes: Hub id, folder, or `default` for the embedded "
+        "SmolLM2-135M-Instruct",
+    )
+    parser.add_argument("--baseline-gguf-file", help="load the baseline's weights from this GGUF file inside it")
+    text = parser.add_mutually_exclusive_group()
+    text.add_argument("--text", type=Path, help="a UTF-8 text file to run the models on (default: a built-in sample)")
+    text.add_argument("--dataset", help="a Hugging Face dataset to take the text from instead")
+    parser.add_argument("--dataset-config", help="the dataset's configuration name")
+    parser.add_argument("--split", default="train", help="dataset split (default: train)")
+    parser.add_argument("--text-field", default="text", help="dataset column holding the text (default: text)")
+    parser.add_argument("--tokens", type=int, default=512, help="number of tokens to analyse (default: 512)")
+    parser.add_argument("--output", type=Path, default=Path("analysis"), help="output folder (default: ./analysis)")
+
+
+def read_text(args: argparse.Namespace) -> str:
+    """The text to analyse: a file, the first rows of a dataset (streamed), or the built-in sample."""
+    if args.text is not None:
+        return args.text.read_text(encoding="utf-8")
+    if args.dataset is None:
+        from .conversion import SAMPLE_TEXT
+
+        return SAMPLE_TEXT
+    import datasets
+
+    rows = datasets.load_dataset(args.dataset, args.dataset_config, split=args.split, streaming=True)
+    pieces, length = [], 0
+    for row in rows:
+        if args.text_field not in row:
+            raise ValueError(f"--text-field: the dataset has no column {args.text_field!r}; it has {sorted(row)}")
+        pieces.append(row[args.text_field])
+        length += len(row[args.text_field])
+        if length > 16 * args.tokens:  # comfortably more characters than tokens needed
+            break
+    return "\n\n".join(pieces)
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .conversion import default_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    input_ids = tokenizer(read_text(args), return_tensors="pt").input_ids[:, : args.tokens]
+    baseline = None
+    if args.baseline is not None:
+        source, gguf_file = args.baseline, args.baseline_gguf_file
+        if source == "default":
+            source, gguf_file = default_model_path()
+        baseline = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
+    report = analyze(model, input_ids, args.output, baseline=baseline)
+    mean_entropy = sum(report["entropy"]) / len(report["entropy"])
+    print(f"Analysed {report['tokens']} tokens (mean depth-weight entropy {mean_entropy:.3f} nats); wrote")
+    print(f"depth_weights.png, magnitudes.png, gradients.png and analysis.json to {args.output}")
+    return 0

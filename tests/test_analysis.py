@@ -1,0 +1,89 @@
+"""`attnres analyze`: depth-weight maps, magnitude and gradient profiles, and the JSON behind them."""
+
+import json
+import math
+
+import pytest
+import torch
+from PIL import Image
+from tiny import VOCAB, attnres_twin, tiny_source_model
+
+from attnres.analysis import analyze, depth_weight_entropy
+
+
+def text_ids(length: int = 48, batch: int = 2) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("mode,block_size", [("block", 2), ("full", None)])
+def test_pictures_and_json_follow_the_layout(mode, block_size, tmp_path):
+    source = tiny_source_model("llama", num_layers=5)
+    model = attnres_twin(source, attnres_mode=mode, attnres_block_size=block_size, attnres_scale_by_num_sources=True)
+    report = analyze(model, text_ids(), tmp_path, baseline=source)
+
+    for name in ("depth_weights.png", "magnitudes.png", "gradients.png"):
+        with Image.open(tmp_path / name) as image:
+            width, height = image.size
+        assert 500 <= width <= 3000 and 400 <= height <= 3000, (name, image.size)
+
+    saved = json.loads((tmp_path / "analysis.json").read_text())
+    assert saved == json.loads(json.dumps(report))
+    num_sublayers = 2 * 5
+    assert len(saved["sublayers"]) == num_sublayers
+    assert len(saved["depth_weights"]) == num_sublayers + 1  # plus the output aggregation
+    assert all(len(row) == len(saved["sources"]) for row in saved["depth_weights"])
+    visible = [sum(w is not None for w in row) for row in saved["depth_weights"]]
+    assert visible == model.config.num_sources() == saved["num_sources"]
+    expected_columns = 1 + 2 * 5 if mode == "full" else 1 + 2 + 1  # embedding, blocks 1-2, partial sum
+    assert len(saved["sources"]) == expected_columns
+    for profile in ("attnres", "baseline"):
+        assert len(saved["magnitudes"][profile]["input_rms"]) == num_sublayers
+        assert len(saved["magnitudes"][profile]["output_rms"]) == num_sublayers
+        assert len(saved["gradients"][profile]) == num_sublayers
+        assert all(g > 0 for g in saved["gradients"][profile])
+
+
+def test_converted_model_looks_uniformly_and_matches_its_baseline(tmp_path):
+    source = tiny_source_model("qwen3", num_layers=4)
+    model = attnres_twin(source, attnres_block_size=2, attnres_scale_by_num_sources=True)
+    report = analyze(model, text_ids(), tmp_path, baseline=source)
+    for row, count in zip(report["depth_weights"], report["num_sources"], strict=True):
+        assert [w for w in row if w is not None] == pytest.approx([1 / count] * count, abs=1e-6)
+    assert report["entropy"] == pytest.approx(report["max_entropy"], abs=1e-5)
+    # With zero queries and rescaling, every sublayer reads and writes what the source's sublayer does.
+    for key in ("input_rms", "output_rms"):
+        assert report["magnitudes"]["attnres"][key] == pytest.approx(report["magnitudes"]["baseline"][key], rel=1e-4)
+    assert report["loss"]["attnres"] == pytest.approx(report["loss"]["baseline"], abs=1e-5)
+
+
+def test_training_moves_depth_weights_away_from_uniform(tmp_path):
+    torch.manual_seed(0)
+    model = attnres_twin(tiny_source_model("llama", num_layers=4), attnres_block_size=1).train()
+    depth_parameters = [p for n, p in model.named_parameters() if "_res_" in n]
+    other_parameters = [p for n, p in model.named_parameters() if "_res_" not in n]
+    optimizer = torch.optim.AdamW([{"params": other_parameters, "lr": 3e-3}, {"params": depth_parameters, "lr": 3e-2}])
+    # A learnable pattern: each sequence repeats a short random motif.
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        motif = torch.randint(3, VOCAB, (8, 6), generator=generator)
+        ids = motif.repeat(1, 6)
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    report = analyze(model, text_ids(), tmp_path)
+    deviation = max(
+        abs(w - 1 / count)
+        for row, count in zip(report["depth_weights"], report["num_sources"], strict=True)
+        for w in row
+        if w is not None
+    )
+    print(f"largest deviation from uniform depth weights after 300 steps: {deviation:.3f}")
+    assert deviation > 0.1
+    assert min(e / m for e, m in zip(report["entropy"][1:], report["max_entropy"][1:], strict=True)) < 0.95
+
+
+def test_entropy_of_known_distributions():
+    uniform = torch.full((2, 3, 4), 0.25)
+    one_hot = torch.tensor([[[1.0, 0.0, 0.0]]])
+    entropy = depth_weight_entropy((uniform, one_hot))
+    assert entropy == pytest.approx([math.log(4), 0.0], abs=1e-6)
