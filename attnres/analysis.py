@@ -25,9 +25,12 @@ from .modeling_attnres import FAMILIES, AttnResForCausalLM
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def depth_weight_entropy(depth_weights: tuple[torch.Tensor, ...]) -> list[float]:
-    """Mean over tokens of the entropy (nats) of each sublayer's softmax over its sources; 0 for a single source."""
-    return [float(-(w * w.clamp_min(1e-30).log()).sum(-1).mean()) for w in depth_weights]
+def depth_weight_entropy(depth_weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Entropy (nats) of each sublayer's softmax over its sources, averaged over tokens -> [batch, sublayers + 1].
+
+    `depth_weights` is the model's `output_depth_weights` output; a single source has entropy 0, k equal ones log k.
+    """
+    return torch.stack([-(w * w.clamp_min(1e-30).log()).sum(-1).mean(-1) for w in depth_weights], dim=-1)
 
 
 def sublayer_names(num_layers: int) -> list[str]:
@@ -241,7 +244,7 @@ def analyze(
         "sources": source_columns(config),
         "num_sources": config.num_sources(),
         "depth_weights": depth_weight_map(config, profile["depth_weights"]),
-        "entropy": depth_weight_entropy(profile["depth_weights"]),
+        "entropy": depth_weight_entropy(profile["depth_weights"]).mean(0).tolist(),
         "max_entropy": [math.log(n) for n in config.num_sources()],
         "loss": {"attnres": profile["loss"]},
         "magnitudes": {"attnres": {"input_rms": profile["input_rms"], "output_rms": profile["output_rms"]}},
@@ -312,16 +315,14 @@ def read_text(args: argparse.Namespace) -> str:
 def run_analyze(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .conversion import default_model_path
+    from .conversion import resolve_source
 
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     input_ids = tokenizer(read_text(args), return_tensors="pt").input_ids[:, : args.tokens]
     baseline = None
     if args.baseline is not None:
-        source, gguf_file = args.baseline, args.baseline_gguf_file
-        if source == "default":
-            source, gguf_file = default_model_path()
+        source, gguf_file = resolve_source(args.baseline, args.baseline_gguf_file)
         baseline = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
     report = analyze(model, input_ids, args.output, baseline=baseline)
     mean_entropy = sum(report["entropy"]) / len(report["entropy"])
