@@ -1,0 +1,222 @@
+"""What AttnRes costs on top of its source model: prefill, training step, greedy decode and training-step memory.
+
+Each row builds a source model and its converted AttnRes twin from the same weights and measures both in one run,
+interleaved (A B A B ...) after warm-up, reporting the median of the per-pair ratios AttnRes / source.
+
+    python benchmarks/overhead.py                      # converted SmolLM2-135M and a tiny random model, Block and Full
+    python benchmarks/overhead.py --models tiny --json overhead.json
+    python benchmarks/overhead.py --device cuda --dtype bfloat16
+"""
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import attnres
+from attnres.conversion import convert_to_attnres, default_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def source_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    if name == "smollm2":
+        folder, gguf_file = default_model_path()
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype).eval()
+    if name == "tiny":
+        config = AutoConfig.for_model(
+            "llama", vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    raise ValueError(f"--models: unknown model {name!r}; expected smollm2 or tiny")
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def interleaved_ratio(source_step: Callable, attnres_step: Callable, reps: int, warmup: int, device: str) -> dict:
+    """Median over reps of (AttnRes time / source time), each pair measured back to back."""
+
+    def timed(step: Callable) -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        return time.perf_counter() - start
+
+    for _ in range(warmup):
+        timed(source_step), timed(attnres_step)
+    pairs = [(timed(source_step), timed(attnres_step)) for _ in range(reps)]
+    return {
+        "source_s": statistics.median(s for s, _ in pairs),
+        "attnres_s": statistics.median(a for _, a in pairs),
+        "ratio": statistics.median(a / s for s, a in pairs),
+    }
+
+
+def training_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def step():
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+MEMORY_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {benchmarks_dir!r})
+import overhead
+name, mode, which, dtype, device = sys.argv[1:6]
+model = overhead.source_model(name, overhead.DTYPES[dtype])
+if which == "attnres":
+    model = overhead.convert_to_attnres(model, mode=mode)  # takes over the source's tensors
+model = model.to(device).train()
+ids = torch.randint(0, model.config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0)).to(device)
+step = overhead.training_step(model, ids)
+step()  # the optimizer states exist from here on
+if device.startswith("cuda"):
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+    step(); torch.cuda.synchronize(); peak = torch.cuda.max_memory_allocated()
+else:
+    rss = lambda key: int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
+    open("/proc/self/clear_refs", "w").write("5")  # reset the peak resident set size (VmHWM)
+    base = rss("VmRSS:"); step(); peak = rss("VmHWM:")
+print(base, peak)
+"""
+
+
+def training_peak_memory(name: str, mode: str, which: str, dtype: str, device: str) -> tuple[int, int]:
+    """(resident bytes before a training step, peak during it), measured in a fresh process for one model."""
+    script = MEMORY_SCRIPT.format(benchmarks_dir=os.path.dirname(os.path.abspath(__file__)))
+    # Large blocks go straight back to the OS when freed, so the peak of the second step is the step's own.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TRANSFORMERS_VERBOSITY": "error"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, name, mode, which, dtype, device],
+        check=True, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    base, peak = map(int, result.stdout.split()[-2:])
+    return base, peak
+
+
+def build_pair(name: str, mode: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    source = source_model(name, dtype)
+    twin = convert_to_attnres(copy.deepcopy(source), mode=mode)  # its own weights: both get trained below
+    return source.to(device), twin.to(device)
+
+
+def benchmark_row(name: str, mode: str, args: argparse.Namespace) -> dict:
+    dtype, device = DTYPES[args.dtype], args.device
+    source, twin = build_pair(name, mode, dtype, device)
+    vocab = source.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    row = {"model": name, "mode": mode, "block_size": twin.config.attnres_block_size,
+           "num_layers": twin.config.num_hidden_layers, "output_sources": twin.config.num_sources()[-1]}  # fmt: skip
+
+    prefill_ids = torch.randint(0, vocab, (1, 512), generator=generator).to(device)
+    with torch.no_grad():
+        row["prefill"] = interleaved_ratio(
+            lambda: source(prefill_ids), lambda: twin(prefill_ids), args.reps, args.warmup, device
+        )
+
+    train_ids = torch.randint(0, vocab, (4, 256), generator=generator).to(device)
+    source.train(), twin.train()
+    row["train_step"] = interleaved_ratio(
+        training_step(source, train_ids), training_step(twin, train_ids), args.reps, args.warmup, device
+    )
+    source.eval(), twin.eval()
+
+    prompt = torch.randint(0, vocab, (1, 64), generator=generator).to(device)
+    generate = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    row["decode_per_token"] = interleaved_ratio(
+        lambda: source.generate(prompt, **generate), lambda: twin.generate(prompt, **generate),
+        max(3, args.reps // 2), 1, device,
+    )  # fmt: skip
+    for key in ("source_s", "attnres_s"):
+        row["decode_per_token"][key] /= 64
+
+    memory = {which: training_peak_memory(name, mode, which, args.dtype, device) for which in ("source", "attnres")}
+    (source_base, source_peak), (twin_base, twin_peak) = memory["source"], memory["attnres"]
+    row["train_peak_memory"] = {
+        "source_bytes": source_peak,
+        "attnres_bytes": twin_peak,
+        "ratio": twin_peak / source_peak,
+        "step_ratio": (twin_peak - twin_base) / max(source_peak - source_base, 1),
+    }
+    return row
+
+
+def environment(args: argparse.Namespace) -> dict:
+    return {
+        "machine": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attnres": attnres.__version__,
+    }
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| model | mode | blocks of | prefill | training step | decode / token | train peak memory (process) "
+        "| train step memory (above weights + optimizer) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        memory = row["train_peak_memory"]
+        layout = f"{row['block_size']} layers" if row["mode"] == "block" else "1 sublayer"
+        lines.append(
+            f"| {row['model']} | {row['mode']} | {layout} | {row['prefill']['ratio']:.3f} "
+            f"| {row['train_step']['ratio']:.3f} | {row['decode_per_token']['ratio']:.3f} "
+            f"| {memory['ratio']:.3f} | {memory['step_ratio']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2,tiny", help="comma-separated: smollm2, tiny")
+    parser.add_argument("--modes", default="block,full", help="comma-separated: block, full")
+    parser.add_argument("--reps", type=int, default=7, help="measured pairs per figure (at least 5)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if args.reps < 5:
+        parser.error("--reps: at least 5 repetitions")
+    transformers.logging.set_verbosity_error()
+    rows = []
+    for name in args.models.split(","):
+        for mode in args.modes.split(","):
+            print(f"measuring {name} / {mode} ...", file=sys.stderr, flush=True)
+            rows.append(benchmark_row(name, mode, args))
+    result = {"environment": environment(args), "rows": rows}
+    print(json.dumps(result["environment"]))
+    print(markdown_table(rows))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
