@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 from PIL import Image
-from tiny import VOCAB, attnres_twin, tiny_source_model
+from tiny import VOCAB, attnres_twin, tiny_source_model, tiny_tokenizer
 
 from attnres.analysis import analyze, depth_weight_entropy
+from attnres.cli import main
 
 
 def text_ids(length: int = 48, batch: int = 2) -> torch.Tensor:
@@ -88,3 +89,22 @@ def test_entropy_of_known_distributions():
     entropy = depth_weight_entropy((uniform[:1], one_hot))
     assert entropy.shape == (1, 2)
     assert entropy[0].tolist() == pytest.approx([math.log(4), 0.0], abs=1e-6)
+
+
+def test_analyze_command_writes_the_report(tmp_path):
+    model = attnres_twin(tiny_source_model("mistral", num_layers=3), seed=2, attnres_block_size=1)
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text("Where each sublayer looks in depth, measured on a short text. " * 4)
+    output = tmp_path / "out"
+    status = main(["analyze", str(tmp_path / "model"), "--text", str(text), "--tokens", "40", "--output", str(output)])
+    assert status == 0
+    report = json.loads((tmp_path / "out" / "analysis.json").read_text())
+    assert report["tokens"] == 40 and report["num_sources"] == model.config.num_sources()
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {
+        "analysis.json",
+        "depth_weights.png",
+        "magnitudes.png",
+        "gradients.png",
+    }

@@ -4,7 +4,6 @@ GGUF), reload as remote code without the package, upload to the Hub, and fail cl
 import copy
 import json
 import os
-import string
 import subprocess
 import sys
 import textwrap
@@ -17,8 +16,7 @@ import pytest
 import torch
 from hub_stub import HubStub
 from safetensors import safe_open
-from tiny import FAMILIES, VOCAB, randomize_depth_parameters, tiny_source_config, tiny_source_model
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tiny import FAMILIES, VOCAB, randomize_depth_parameters, tiny_source_config, tiny_source_model, tiny_tokenizer
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -27,7 +25,6 @@ from transformers import (
     Gemma3Config,
     GPT2Config,
     GPT2LMHeadModel,
-    PreTrainedTokenizerFast,
 )
 
 from attnres import AttnResForCausalLM, conversion
@@ -44,19 +41,6 @@ from attnres.conversion import (
 )
 
 ATTNRES_COMMAND = str(Path(sys.executable).with_name("attnres"))  # the console script
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over the tiny models' 96 token ids, built here rather than downloaded."""
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2: the tiny configs' pad, bos and eos
-    characters = list(" \n" + string.ascii_letters + string.digits + string.punctuation)[: VOCAB - len(specials)]
-    vocab = {token: token_id for token_id, token in enumerate(specials + characters)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
-    )
 
 
 def tiny_gemma3_multimodal():

@@ -1,7 +1,10 @@
 """Tiny randomly initialised source models of every supported family, for tests."""
 
+import string
+
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import attnres
 
@@ -68,3 +71,16 @@ def randomize_depth_parameters(model, seed: int = 0) -> None:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
             elif "_res_norm" in name:
                 parameter.copy_(1 + 0.3 * torch.randn(parameter.shape, generator=generator))
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over the tiny models' 96 token ids, built here rather than downloaded."""
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2: the tiny configs' pad, bos and eos
+    characters = list(" \n" + string.ascii_letters + string.digits + string.punctuation)[: VOCAB - len(specials)]
+    vocab = {token: token_id for token_id, token in enumerate(specials + characters)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
