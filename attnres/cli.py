@@ -74,20 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnres", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_convert_parser(subparsers)
-    train_parser = subparsers.add_parser(
-        "train",
-        help="continue pretraining an AttnRes (or plain) model with Accelerate",
-        description=training.__doc__.split("\n\n")[0],
-    )
-    training.add_train_arguments(train_parser)
-    train_parser.set_defaults(run=training.train_from_args)
-    analyze_parser = subparsers.add_parser(
-        "analyze",
-        help="draw where each sublayer looks in depth, and magnitude and gradient profiles",
-        description=analysis.__doc__.split("\n\n")[0],
-    )
-    analysis.add_analyze_arguments(analyze_parser)
-    analyze_parser.set_defaults(run=analysis.run_analyze)
+    # Commands whose module defines its own options: (name, help, module, add its arguments, run it)
+    for name, summary, module, add_arguments, run in (
+        ("train", "continue pretraining an AttnRes (or plain) model with Accelerate", training,
+         training.add_train_arguments, training.train_from_args),
+        ("analyze", "draw where each sublayer looks in depth, and magnitude and gradient profiles", analysis,
+         analysis.add_analyze_arguments, analysis.run_analyze),
+    ):  # fmt: skip
+        command = subparsers.add_parser(name, help=summary, description=module.__doc__.split("\n\n")[0])
+        add_arguments(command)
+        command.set_defaults(run=run)
     return parser
 
 
