@@ -315,7 +315,7 @@ def read_text(args: argparse.Namespace) -> str:
 def run_analyze(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .conversion import resolve_source
+    from .conversion import load_source, resolve_source
 
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
@@ -323,7 +323,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     baseline = None
     if args.baseline is not None:
         source, gguf_file = resolve_source(args.baseline, args.baseline_gguf_file)
-        baseline = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
+        baseline = load_source(source, gguf_file=gguf_file)
     report = analyze(model, input_ids, args.output, baseline=baseline)
     mean_entropy = sum(report["entropy"]) / len(report["entropy"])
     print(f"Analysed {report['tokens']} tokens (mean depth-weight entropy {mean_entropy:.3f} nats); wrote")

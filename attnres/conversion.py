@@ -118,9 +118,15 @@ def load_source(
     """Load a source checkpoint (Hub id or folder; safetensors or bin, sharded or not; or a GGUF file in it).
 
     Loading through the source's own class applies transformers' conversion mapping, which fuses per-expert MoE
-    checkpoints (Mixtral, Qwen3-MoE) into the layout AttnRes shares with the source family.
+    checkpoints (Mixtral, Qwen3-MoE) into the layout AttnRes shares with the source family. GGUF weights are
+    dequantised into plain tensors; the quantizer transformers leaves attached would refuse `save_pretrained`, so it
+    is detached here and the model saves like any other.
     """
-    return AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=dtype).eval()
+    if gguf_file is not None:
+        model.hf_quantizer = None
+        del model.config.quantization_config
+    return model
 
 
 def load_source_tokenizer(source: str | os.PathLike, gguf_file: str | None = None) -> PreTrainedTokenizerBase:

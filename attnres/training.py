@@ -60,7 +60,14 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from . import data
 from .analysis import depth_weight_entropy, sublayer_names
 from .configuration_attnres import MODES
-from .conversion import ConversionError, convert_to_attnres, default_model_path, load_source, load_source_tokenizer
+from .conversion import (
+    DEFAULT_SOURCE,
+    ConversionError,
+    convert_to_attnres,
+    load_source,
+    load_source_tokenizer,
+    resolve_source,
+)
 from .hub import push_folder
 
 logger = get_logger(__name__)
@@ -254,9 +261,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def model_location(config: TrainingConfig) -> tuple[str, str | None]:
-    if config.model is None:
-        return default_model_path()
-    return config.model, config.gguf_file
+    return resolve_source(config.model or DEFAULT_SOURCE, config.gguf_file)
 
 
 def is_attnres(model: nn.Module) -> bool:
@@ -281,12 +286,7 @@ def load_model(config: TrainingConfig) -> PreTrainedModel:
                 "(attnres convert SOURCE DIR), then train DIR without --convert"
             )
         return convert_to_attnres(path, config.mode, config.block_size, dtype=torch.float32, gguf_file=gguf_file)
-    model = load_source(path, torch.float32, gguf_file)
-    if gguf_file is not None:
-        # The GGUF weights are dequantised into plain tensors; the quantizer left attached refuses save_pretrained.
-        model.hf_quantizer = None
-        del model.config.quantization_config
-    return model
+    return load_source(path, torch.float32, gguf_file)
 
 
 def make_trainable(model: PreTrainedModel, config: TrainingConfig) -> nn.Module:

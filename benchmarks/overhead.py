@@ -24,7 +24,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnres
-from attnres.conversion import convert_to_attnres, default_model_path
+from attnres.conversion import convert_to_attnres, default_model_path, load_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -32,7 +32,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def source_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
     if name == "smollm2":
         folder, gguf_file = default_model_path()
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype).eval()
+        return load_source(folder, dtype, gguf_file)
     if name == "tiny":
         config = AutoConfig.for_model(
             "llama", vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=8,
