@@ -161,6 +161,27 @@ class CompletedSources:
         inv_rms = torch.cat([self.inv_rms, inverse_rms(block, eps).unsqueeze(-1)], dim=-1)
         return CompletedSources(self.storage, self.blocks + (block,), inv_rms)
 
+    # Without autograd the plain products are enough; the functions' Python overhead matters when decoding.
+    def score(self, queries: torch.Tensor) -> torch.Tensor:
+        """Raw scores of folded queries [q,d] against every completed source. -> [B,T,q,n] fp32"""
+        if torch.is_grad_enabled():
+            return ScoreSources.apply(queries, self.stacked, *self.blocks)
+        return source_scores(queries, self.stacked)
+
+    def read(self, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of the completed sources, weights [B,T,n]. -> [B,T,d]"""
+        if torch.is_grad_enabled():
+            return ReadSources.apply(weights, self.stacked, *self.blocks)
+        return weighted_read(weights, self.stacked)
+
+
+def source_scores(queries: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
+    return queries @ stacked.float().transpose(-1, -2)  # [q,d] . [B,T,n,d] -> [B,T,q,n]
+
+
+def weighted_read(weights: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
+    return (weights.unsqueeze(-2) @ stacked).squeeze(-2)  # [B,T,n] . [B,T,n,d] -> [B,T,d]
+
 
 class ScoreSources(torch.autograd.Function):
     """queries [q,d] . sources [B,T,n,d] -> [B,T,q,n] fp32; gradients go to the queries and to each source tensor.
@@ -173,7 +194,7 @@ class ScoreSources(torch.autograd.Function):
     def forward(ctx, queries: torch.Tensor, stacked: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:
         ctx.stacked = stacked
         ctx.save_for_backward(queries)
-        return queries @ stacked.float().transpose(-1, -2)
+        return source_scores(queries, stacked)
 
     @staticmethod
     def backward(ctx, grad_scores: torch.Tensor):
@@ -191,7 +212,7 @@ class ReadSources(torch.autograd.Function):
     def forward(ctx, weights: torch.Tensor, stacked: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:
         ctx.stacked = stacked
         ctx.save_for_backward(weights)
-        return (weights.unsqueeze(-2) @ stacked).squeeze(-2)
+        return weighted_read(weights, stacked)
 
     @staticmethod
     def backward(ctx, grad_mixed: torch.Tensor):
@@ -201,15 +222,16 @@ class ReadSources(torch.autograd.Function):
         return grad_weights, None, *grad_stacked.unbind(-2)
 
 
-def folded_query(pseudo_query: AttnResPseudoQuery, key_norm: AttnResKeyNorm) -> torch.Tensor:
-    """w . (g * v / rms(v)) = (w * g) . v / rms(v): the key-norm gain folds into the query. -> [d] fp32"""
-    return pseudo_query.weight[0].float() * key_norm.weight.float()
+def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm]) -> torch.Tensor:
+    """w . (g * v / rms(v)) = (w * g) . v / rms(v): each key-norm gain folds into its query. -> [q,d] fp32"""
+    pseudo_queries = torch.cat([pseudo_query.weight for pseudo_query, _ in depth_heads])
+    gains = torch.stack([key_norm.weight for _, key_norm in depth_heads])
+    return pseudo_queries.float() * gains.float()
 
 
 def score_completed_blocks(completed: CompletedSources, queries: torch.Tensor) -> torch.Tensor:
     """Phase 1: logits of several folded queries [q,d] against all completed blocks, in one pass. -> [B,T,q,n] fp32"""
-    scores = ScoreSources.apply(queries, completed.stacked, *completed.blocks)
-    return scores * completed.inv_rms.unsqueeze(-2)
+    return completed.score(queries) * completed.inv_rms.unsqueeze(-2)
 
 
 def merge_partial_sum(
@@ -232,7 +254,7 @@ def merge_partial_sum(
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
     value_weights = (weights * weights.shape[-1] if scale_by_num_sources else weights).to(completed.storage.dtype)
     num_blocks = len(completed.blocks)
-    mixed = ReadSources.apply(value_weights[..., :num_blocks], completed.stacked, *completed.blocks)  # [B,T,d]
+    mixed = completed.read(value_weights[..., :num_blocks])  # [B,T,d]
     if partial_sum is not None:
         mixed = torch.addcmul(mixed, value_weights[..., num_blocks:], partial_sum)
     return mixed, weights
@@ -255,8 +277,8 @@ def depth_attention(
         sources = torch.stack(completed.blocks + ((partial_sum,) if partial_sum is not None else ()), dim=-2)
         return depth_mix_reference(sources, pseudo_query, key_norm, scale)
     if phase_one is None:
-        query = folded_query(pseudo_query, key_norm)
-        phase_one = query, score_completed_blocks(completed, query[None])[..., 0, :]
+        query = folded_queries((pseudo_query, key_norm))
+        phase_one = query[0], score_completed_blocks(completed, query)[..., 0, :]
     query, block_logits = phase_one
     return merge_partial_sum(block_logits, completed, partial_sum, query, key_norm.eps, scale)
 
@@ -310,11 +332,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
 
         phase_one = [None, None]
         if config.attnres_implementation == "two_phase":  # both pseudo-queries of this layer in one pass
-            queries = torch.stack(
-                [
-                    folded_query(self.self_attention_res_proj, self.self_attention_res_norm),
-                    folded_query(self.mlp_res_proj, self.mlp_res_norm),
-                ]
+            queries = folded_queries(
+                (self.self_attention_res_proj, self.self_attention_res_norm), (self.mlp_res_proj, self.mlp_res_norm)
             )
             block_logits = score_completed_blocks(completed, queries).unbind(-2)
             phase_one = list(zip(queries, block_logits, strict=True))
