@@ -132,46 +132,64 @@ def inverse_rms(values: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(torch.linalg.vecdot(values, values) / values.shape[-1] + eps)
 
 
+class SourceStorage:
+    """One forward pass's buffers: the finished sources [B,T,capacity,d], and in backward their summed gradients."""
+
+    def __init__(self, like: torch.Tensor, capacity: int):
+        self.values = like.new_empty(*like.shape[:-1], capacity, like.shape[-1])
+        self.grads: torch.Tensor | None = None  # allocated by the first backward that reaches a source
+
+    def grad_slots(self, num_sources: int) -> torch.Tensor:
+        if self.grads is None:
+            self.grads = torch.zeros_like(self.values)
+        return self.grads[..., :num_sources, :]
+
+
 class CompletedSources:
     """The finished sources: b_0 = the embedding, then one sum per completed block (in Full, every sublayer output).
 
-    Each is copied once into `storage` [B,T,capacity,d], allocated per forward pass, so a sublayer reads all n of them
-    as one view [B,T,n,d] with no re-stacking. Autograd then keeps that one buffer, O(n·T·d) per step, instead of a
-    stacked copy per sublayer (O(n²·T·d)); `blocks` holds the tensors that were copied, which receive the gradients.
+    Each is copied once into the storage, so a sublayer reads all n of them as one view [B,T,n,d] with no re-stacking,
+    and autograd keeps that one buffer, O(n·T·d) per step, instead of a stacked copy per sublayer (O(n²·T·d)).
+    In backward every reader adds its gradient into one gradient buffer in place, and each source takes its slot
+    once all readers are done; the `anchor` chain (one scalar per source) makes autograd run them in that order.
     """
 
-    def __init__(self, storage: torch.Tensor, blocks: tuple[torch.Tensor, ...], inv_rms: torch.Tensor):
+    def __init__(self, storage: SourceStorage, blocks: tuple[torch.Tensor, ...], inv_rms: torch.Tensor, anchor=None):
         self.storage = storage
-        self.blocks = blocks
+        self.blocks = blocks  # the source tensors themselves, for the direct reference path
         self.inv_rms = inv_rms  # [B,T,n] fp32, computed once per source
+        self.anchor = anchor
 
     @classmethod
     def empty(cls, like: torch.Tensor, capacity: int) -> "CompletedSources":
-        storage = like.new_empty(*like.shape[:-1], capacity, like.shape[-1])
-        return cls(storage, (), like.new_empty(*like.shape[:-1], 0, dtype=torch.float32))
+        return cls(SourceStorage(like, capacity), (), like.new_empty(*like.shape[:-1], 0, dtype=torch.float32))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.values.dtype
 
     @property
     def stacked(self) -> torch.Tensor:
-        return self.storage[..., : len(self.blocks), :]  # [B,T,n,d], a view
+        return self.storage.values[..., : len(self.blocks), :]  # [B,T,n,d], a view
 
     def close(self, block: torch.Tensor, eps: float) -> "CompletedSources":
         """Append a finished source [B,T,d]. Slots are written once, so earlier views never see a change."""
-        with torch.no_grad():
-            self.storage[..., len(self.blocks), :] = block
+        slot = len(self.blocks)
+        anchor = StoreSource.apply(block, self.anchor, self.storage, slot)
         inv_rms = torch.cat([self.inv_rms, inverse_rms(block, eps).unsqueeze(-1)], dim=-1)
-        return CompletedSources(self.storage, self.blocks + (block,), inv_rms)
+        return CompletedSources(self.storage, self.blocks + (block,), inv_rms, anchor)
 
     # Without autograd the plain products are enough; the functions' Python overhead matters when decoding.
     def score(self, queries: torch.Tensor) -> torch.Tensor:
         """Raw scores of folded queries [q,d] against every completed source. -> [B,T,q,n] fp32"""
         if torch.is_grad_enabled():
-            return ScoreSources.apply(queries, self.stacked, *self.blocks)
+            return ScoreSources.apply(queries, self.anchor, self.storage, len(self.blocks))
         return source_scores(queries, self.stacked)
 
     def read(self, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of the completed sources, weights [B,T,n]. -> [B,T,d]"""
         if torch.is_grad_enabled():
-            return ReadSources.apply(weights, self.stacked, *self.blocks)
+            return ReadSources.apply(weights, self.anchor, self.storage, len(self.blocks))
         return weighted_read(weights, self.stacked)
 
 
@@ -183,43 +201,65 @@ def weighted_read(weights: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
     return (weights.unsqueeze(-2) @ stacked).squeeze(-2)  # [B,T,n] . [B,T,n,d] -> [B,T,d]
 
 
-class ScoreSources(torch.autograd.Function):
-    """queries [q,d] . sources [B,T,n,d] -> [B,T,q,n] fp32; gradients go to the queries and to each source tensor.
+class StoreSource(torch.autograd.Function):
+    """Writes a source into its slot; returns the next anchor. Backward hands the slot's summed gradient over.
 
-    The storage view is kept on ctx rather than saved: later slots of the same storage are written after this call,
-    which `save_for_backward`'s version check would reject although the n slots read here never change.
+    Its anchor feeds every later reader and the next source's anchor, so autograd runs this backward only after
+    all of them have added their gradients for this slot.
     """
 
     @staticmethod
-    def forward(ctx, queries: torch.Tensor, stacked: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:
-        ctx.stacked = stacked
+    def forward(ctx, block: torch.Tensor, previous_anchor, storage: SourceStorage, slot: int) -> torch.Tensor:
+        storage.values[..., slot, :] = block
+        ctx.storage, ctx.slot = storage, slot
+        return block.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_anchor: torch.Tensor):
+        grad_block = ctx.storage.grad_slots(ctx.slot + 1)[..., ctx.slot, :] if ctx.needs_input_grad[0] else None
+        return grad_block, grad_anchor if ctx.needs_input_grad[1] else None, None, None
+
+
+class ScoreSources(torch.autograd.Function):
+    """queries [q,d] . the first n stored sources -> [B,T,q,n] fp32.
+
+    The storage is kept on ctx, not saved: later slots are written after this call, which `save_for_backward`'s
+    version check would reject although the n slots read here never change.
+    """
+
+    @staticmethod
+    def forward(ctx, queries: torch.Tensor, anchor, storage: SourceStorage, num_sources: int) -> torch.Tensor:
         ctx.save_for_backward(queries)
-        return source_scores(queries, stacked)
+        ctx.storage, ctx.num_sources = storage, num_sources
+        return source_scores(queries, storage.values[..., :num_sources, :])
 
     @staticmethod
     def backward(ctx, grad_scores: torch.Tensor):
         (queries,) = ctx.saved_tensors
-        stacked = ctx.stacked.float()
-        grad_queries = (grad_scores @ stacked).sum(dim=(0, 1)) if ctx.needs_input_grad[0] else None
-        grad_stacked = (grad_scores.transpose(-1, -2) @ queries).to(ctx.stacked.dtype)  # [B,T,n,d]
-        return grad_queries, None, *grad_stacked.unbind(-2)
+        stacked = ctx.storage.values[..., : ctx.num_sources, :]
+        grad_queries = (grad_scores @ stacked.float()).sum(dim=(0, 1)) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            ctx.storage.grad_slots(ctx.num_sources).add_(grad_scores.transpose(-1, -2) @ queries)
+        return grad_queries, grad_scores.new_zeros(()), None, None
 
 
 class ReadSources(torch.autograd.Function):
-    """weights [B,T,n] . sources [B,T,n,d] -> [B,T,d]; same storage handling as ScoreSources."""
+    """weights [B,T,n] . the first n stored sources -> [B,T,d]; storage handling as in ScoreSources."""
 
     @staticmethod
-    def forward(ctx, weights: torch.Tensor, stacked: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:
-        ctx.stacked = stacked
+    def forward(ctx, weights: torch.Tensor, anchor, storage: SourceStorage, num_sources: int) -> torch.Tensor:
         ctx.save_for_backward(weights)
-        return weighted_read(weights, stacked)
+        ctx.storage, ctx.num_sources = storage, num_sources
+        return weighted_read(weights, storage.values[..., :num_sources, :])
 
     @staticmethod
     def backward(ctx, grad_mixed: torch.Tensor):
         (weights,) = ctx.saved_tensors
-        grad_weights = (ctx.stacked @ grad_mixed.unsqueeze(-1)).squeeze(-1) if ctx.needs_input_grad[0] else None
-        grad_stacked = weights.unsqueeze(-1) * grad_mixed.unsqueeze(-2)  # [B,T,n,d]
-        return grad_weights, None, *grad_stacked.unbind(-2)
+        stacked = ctx.storage.values[..., : ctx.num_sources, :]
+        grad_weights = (stacked @ grad_mixed.unsqueeze(-1)).squeeze(-1) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            ctx.storage.grad_slots(ctx.num_sources).addcmul_(weights.unsqueeze(-1), grad_mixed.unsqueeze(-2))
+        return grad_weights, grad_mixed.new_zeros(()), None, None
 
 
 def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm]) -> torch.Tensor:
@@ -252,7 +292,7 @@ def merge_partial_sum(
         block_logits = torch.cat([block_logits, partial_logit.unsqueeze(-1)], dim=-1)
     weights = block_logits.softmax(-1)  # [B,T,S]
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
-    value_weights = (weights * weights.shape[-1] if scale_by_num_sources else weights).to(completed.storage.dtype)
+    value_weights = (weights * weights.shape[-1] if scale_by_num_sources else weights).to(completed.dtype)
     num_blocks = len(completed.blocks)
     mixed = completed.read(value_weights[..., :num_blocks])  # [B,T,d]
     if partial_sum is not None:
