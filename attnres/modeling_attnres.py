@@ -132,30 +132,151 @@ def inverse_rms(values: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(torch.linalg.vecdot(values, values) / values.shape[-1] + eps)
 
 
-def close_block(
-    completed_blocks: torch.Tensor, completed_inv_rms: torch.Tensor, block: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append a finished source [B,T,d] to the completed ones [B,T,n,d]; its RMS is computed here, once."""
-    completed_blocks = torch.cat([completed_blocks, block.unsqueeze(-2)], dim=-2)
-    completed_inv_rms = torch.cat([completed_inv_rms, inverse_rms(block, eps).unsqueeze(-1)], dim=-1)
-    return completed_blocks, completed_inv_rms
+class SourceStorage:
+    """One forward pass's buffers: the finished sources [B,T,capacity,d], and in backward their summed gradients."""
+
+    def __init__(self, like: torch.Tensor, capacity: int):
+        self.values = like.new_empty(*like.shape[:-1], capacity, like.shape[-1])
+        self.grads: torch.Tensor | None = None  # allocated by the first backward that reaches a source
+
+    def grad_slots(self, num_sources: int) -> torch.Tensor:
+        if self.grads is None:
+            self.grads = torch.zeros_like(self.values)
+        return self.grads[..., :num_sources, :]
 
 
-def folded_query(pseudo_query: AttnResPseudoQuery, key_norm: AttnResKeyNorm) -> torch.Tensor:
-    """w . (g * v / rms(v)) = (w * g) . v / rms(v): the key-norm gain folds into the query. -> [d] fp32"""
-    return pseudo_query.weight[0].float() * key_norm.weight.float()
+class CompletedSources:
+    """The finished sources: b_0 = the embedding, then one sum per completed block (in Full, every sublayer output).
+
+    Each is copied once into the storage, so a sublayer reads all n of them as one view [B,T,n,d] with no re-stacking,
+    and autograd keeps that one buffer, O(n·T·d) per step, instead of a stacked copy per sublayer (O(n²·T·d)).
+    In backward every reader adds its gradient into one gradient buffer in place, and each source takes its slot
+    once all readers are done; the `anchor` chain (one scalar per source) makes autograd run them in that order.
+    """
+
+    def __init__(self, storage: SourceStorage, blocks: tuple[torch.Tensor, ...], inv_rms: torch.Tensor, anchor=None):
+        self.storage = storage
+        self.blocks = blocks  # the source tensors themselves, for the direct reference path
+        self.inv_rms = inv_rms  # [B,T,n] fp32, computed once per source
+        self.anchor = anchor
+
+    @classmethod
+    def empty(cls, like: torch.Tensor, capacity: int) -> "CompletedSources":
+        return cls(SourceStorage(like, capacity), (), like.new_empty(*like.shape[:-1], 0, dtype=torch.float32))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.values.dtype
+
+    @property
+    def stacked(self) -> torch.Tensor:
+        return self.storage.values[..., : len(self.blocks), :]  # [B,T,n,d], a view
+
+    def close(self, block: torch.Tensor, eps: float) -> "CompletedSources":
+        """Append a finished source [B,T,d]. Slots are written once, so earlier views never see a change."""
+        slot = len(self.blocks)
+        anchor = StoreSource.apply(block, self.anchor, self.storage, slot)
+        inv_rms = torch.cat([self.inv_rms, inverse_rms(block, eps).unsqueeze(-1)], dim=-1)
+        return CompletedSources(self.storage, self.blocks + (block,), inv_rms, anchor)
+
+    # Without autograd the plain products are enough; the functions' Python overhead matters when decoding.
+    def score(self, queries: torch.Tensor) -> torch.Tensor:
+        """Raw scores of folded queries [q,d] against every completed source. -> [B,T,q,n] fp32"""
+        if torch.is_grad_enabled():
+            return ScoreSources.apply(queries, self.anchor, self.storage, len(self.blocks))
+        return source_scores(queries, self.stacked)
+
+    def read(self, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of the completed sources, weights [B,T,n]. -> [B,T,d]"""
+        if torch.is_grad_enabled():
+            return ReadSources.apply(weights, self.anchor, self.storage, len(self.blocks))
+        return weighted_read(weights, self.stacked)
 
 
-def score_completed_blocks(
-    completed_blocks: torch.Tensor, completed_inv_rms: torch.Tensor, queries: torch.Tensor
-) -> torch.Tensor:
+def source_scores(queries: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
+    return queries @ stacked.float().transpose(-1, -2)  # [q,d] . [B,T,n,d] -> [B,T,q,n]
+
+
+def weighted_read(weights: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
+    return (weights.unsqueeze(-2) @ stacked).squeeze(-2)  # [B,T,n] . [B,T,n,d] -> [B,T,d]
+
+
+class StoreSource(torch.autograd.Function):
+    """Writes a source into its slot; returns the next anchor. Backward hands the slot's summed gradient over.
+
+    Its anchor feeds every later reader and the next source's anchor, so autograd runs this backward only after
+    all of them have added their gradients for this slot.
+    """
+
+    @staticmethod
+    def forward(ctx, block: torch.Tensor, previous_anchor, storage: SourceStorage, slot: int) -> torch.Tensor:
+        storage.values[..., slot, :] = block
+        ctx.storage, ctx.slot = storage, slot
+        return block.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_anchor: torch.Tensor):
+        grad_block = ctx.storage.grad_slots(ctx.slot + 1)[..., ctx.slot, :] if ctx.needs_input_grad[0] else None
+        return grad_block, grad_anchor if ctx.needs_input_grad[1] else None, None, None
+
+
+class ScoreSources(torch.autograd.Function):
+    """queries [q,d] . the first n stored sources -> [B,T,q,n] fp32.
+
+    The storage is kept on ctx, not saved: later slots are written after this call, which `save_for_backward`'s
+    version check would reject although the n slots read here never change.
+    """
+
+    @staticmethod
+    def forward(ctx, queries: torch.Tensor, anchor, storage: SourceStorage, num_sources: int) -> torch.Tensor:
+        ctx.save_for_backward(queries)
+        ctx.storage, ctx.num_sources = storage, num_sources
+        return source_scores(queries, storage.values[..., :num_sources, :])
+
+    @staticmethod
+    def backward(ctx, grad_scores: torch.Tensor):
+        (queries,) = ctx.saved_tensors
+        stacked = ctx.storage.values[..., : ctx.num_sources, :]
+        grad_queries = (grad_scores @ stacked.float()).sum(dim=(0, 1)) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            ctx.storage.grad_slots(ctx.num_sources).add_(grad_scores.transpose(-1, -2) @ queries)
+        return grad_queries, grad_scores.new_zeros(()), None, None
+
+
+class ReadSources(torch.autograd.Function):
+    """weights [B,T,n] . the first n stored sources -> [B,T,d]; storage handling as in ScoreSources."""
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, anchor, storage: SourceStorage, num_sources: int) -> torch.Tensor:
+        ctx.save_for_backward(weights)
+        ctx.storage, ctx.num_sources = storage, num_sources
+        return weighted_read(weights, storage.values[..., :num_sources, :])
+
+    @staticmethod
+    def backward(ctx, grad_mixed: torch.Tensor):
+        (weights,) = ctx.saved_tensors
+        stacked = ctx.storage.values[..., : ctx.num_sources, :]
+        grad_weights = (stacked @ grad_mixed.unsqueeze(-1)).squeeze(-1) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            ctx.storage.grad_slots(ctx.num_sources).addcmul_(weights.unsqueeze(-1), grad_mixed.unsqueeze(-2))
+        return grad_weights, grad_mixed.new_zeros(()), None, None
+
+
+def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm]) -> torch.Tensor:
+    """w . (g * v / rms(v)) = (w * g) . v / rms(v): each key-norm gain folds into its query. -> [q,d] fp32"""
+    pseudo_queries = torch.cat([pseudo_query.weight for pseudo_query, _ in depth_heads])
+    gains = torch.stack([key_norm.weight for _, key_norm in depth_heads])
+    return pseudo_queries.float() * gains.float()
+
+
+def score_completed_blocks(completed: CompletedSources, queries: torch.Tensor) -> torch.Tensor:
     """Phase 1: logits of several folded queries [q,d] against all completed blocks, in one pass. -> [B,T,q,n] fp32"""
-    return (queries @ completed_blocks.float().transpose(-1, -2)) * completed_inv_rms.unsqueeze(-2)
+    return completed.score(queries) * completed.inv_rms.unsqueeze(-2)
 
 
 def merge_partial_sum(
     block_logits: torch.Tensor,
-    completed_blocks: torch.Tensor,
+    completed: CompletedSources,
     partial_sum: torch.Tensor | None,
     query: torch.Tensor,
     eps: float,
@@ -171,9 +292,9 @@ def merge_partial_sum(
         block_logits = torch.cat([block_logits, partial_logit.unsqueeze(-1)], dim=-1)
     weights = block_logits.softmax(-1)  # [B,T,S]
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
-    value_weights = (weights * weights.shape[-1] if scale_by_num_sources else weights).to(completed_blocks.dtype)
-    num_blocks = completed_blocks.shape[-2]
-    mixed = (value_weights[..., None, :num_blocks] @ completed_blocks).squeeze(-2)  # [B,T,d]
+    value_weights = (weights * weights.shape[-1] if scale_by_num_sources else weights).to(completed.dtype)
+    num_blocks = len(completed.blocks)
+    mixed = completed.read(value_weights[..., :num_blocks])  # [B,T,d]
     if partial_sum is not None:
         mixed = torch.addcmul(mixed, value_weights[..., num_blocks:], partial_sum)
     return mixed, weights
@@ -181,8 +302,7 @@ def merge_partial_sum(
 
 def depth_attention(
     config: AttnResConfig,
-    completed_blocks: torch.Tensor,
-    completed_inv_rms: torch.Tensor,
+    completed: CompletedSources,
     partial_sum: torch.Tensor | None,
     pseudo_query: AttnResPseudoQuery,
     key_norm: AttnResKeyNorm,
@@ -194,15 +314,13 @@ def depth_attention(
     """
     scale = config.attnres_scale_by_num_sources
     if config.attnres_implementation == "naive":
-        sources = completed_blocks
-        if partial_sum is not None:
-            sources = torch.cat([completed_blocks, partial_sum.unsqueeze(-2)], dim=-2)
+        sources = torch.stack(completed.blocks + ((partial_sum,) if partial_sum is not None else ()), dim=-2)
         return depth_mix_reference(sources, pseudo_query, key_norm, scale)
     if phase_one is None:
-        query = folded_query(pseudo_query, key_norm)
-        phase_one = query, score_completed_blocks(completed_blocks, completed_inv_rms, query[None])[..., 0, :]
+        query = folded_queries((pseudo_query, key_norm))
+        phase_one = query[0], score_completed_blocks(completed, query)[..., 0, :]
     query, block_logits = phase_one
-    return merge_partial_sum(block_logits, completed_blocks, partial_sum, query, key_norm.eps, scale)
+    return merge_partial_sum(block_logits, completed, partial_sum, query, key_norm.eps, scale)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -213,9 +331,9 @@ def depth_attention(
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """One decoder layer of the source family (its own attention, MLP and norms), fed by depth attention.
 
-    The depth state between layers: `completed_blocks` [B,T,n,d] (b_0 = embedding, then one sum per finished block; in
-    Full mode every sublayer output), their inverse RMS [B,T,n], and `partial_sum` [B,T,d], the running sum of the
-    current block (before layer 0: the embedding, which layer 0 moves into the completed blocks).
+    The depth state between layers: `completed` (b_0 = embedding, then one sum per finished block; in Full mode every
+    sublayer output) and `partial_sum` [B,T,d], the running sum of the current block (before layer 0: the embedding,
+    which layer 0 moves into the completed sources).
     """
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
@@ -241,8 +359,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         partial_sum: torch.Tensor,
-        completed_blocks: torch.Tensor,
-        completed_inv_rms: torch.Tensor,
+        completed: CompletedSources,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
@@ -250,24 +367,20 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple[torch.Tensor, ...]:
         config, family, eps = self.config, self.family, self.config.attnres_eps
         if self.attention_starts_block:
-            completed_blocks, completed_inv_rms = close_block(completed_blocks, completed_inv_rms, partial_sum, eps)
+            completed = completed.close(partial_sum, eps)
             partial_sum = None
 
         phase_one = [None, None]
         if config.attnres_implementation == "two_phase":  # both pseudo-queries of this layer in one pass
-            queries = torch.stack(
-                [
-                    folded_query(self.self_attention_res_proj, self.self_attention_res_norm),
-                    folded_query(self.mlp_res_proj, self.mlp_res_norm),
-                ]
+            queries = folded_queries(
+                (self.self_attention_res_proj, self.self_attention_res_norm), (self.mlp_res_proj, self.mlp_res_norm)
             )
-            block_logits = score_completed_blocks(completed_blocks, completed_inv_rms, queries).unbind(-2)
+            block_logits = score_completed_blocks(completed, queries).unbind(-2)
             phase_one = list(zip(queries, block_logits, strict=True))
 
         # Attention sublayer
         attention_input, attention_depth_weights = depth_attention(
-            config, completed_blocks, completed_inv_rms, partial_sum,
-            self.self_attention_res_proj, self.self_attention_res_norm, phase_one[0],
+            config, completed, partial_sum, self.self_attention_res_proj, self.self_attention_res_norm, phase_one[0],
         )  # fmt: skip
         attention_output, _ = self.self_attn(
             hidden_states=self._norm(family.attention_input_norm, attention_input),
@@ -281,17 +394,16 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
 
         # MLP sublayer
         mlp_input, mlp_depth_weights = depth_attention(
-            config, completed_blocks, completed_inv_rms, partial_sum,
-            self.mlp_res_proj, self.mlp_res_norm, phase_one[1],
+            config, completed, partial_sum, self.mlp_res_proj, self.mlp_res_norm, phase_one[1],
         )  # fmt: skip
         if self.mlp_starts_block:  # Full AttnRes: from here on the attention output is a source of its own
-            completed_blocks, completed_inv_rms = close_block(completed_blocks, completed_inv_rms, partial_sum, eps)
+            completed = completed.close(partial_sum, eps)
             partial_sum = None
         mlp_output = self.mlp(self._norm(family.mlp_input_norm, mlp_input))
         mlp_output = self._norm(family.mlp_output_norm, mlp_output)
         partial_sum = mlp_output if partial_sum is None else partial_sum + mlp_output
 
-        return partial_sum, completed_blocks, completed_inv_rms, attention_depth_weights, mlp_depth_weights
+        return partial_sum, completed, attention_depth_weights, mlp_depth_weights
 
 
 @dataclass
@@ -356,6 +468,15 @@ class AttnResPreTrainedModel(PreTrainedModel):
             family_initializer = family_model_cls.__new__(family_model_cls)
             family_initializer.__dict__["config"] = self.config.text_config
             family_model_cls._init_weights(family_initializer, module)
+
+    def _activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs):
+        if (activation_checkpointing_kwargs or {}).get("use_reentrant"):
+            # Reentrant checkpointing tracks only tensor arguments, and a layer receives its sources as one object.
+            raise ValueError(
+                "AttnRes supports activation checkpointing with use_reentrant=False only (the default): pass "
+                "activation_checkpointing_kwargs={'use_reentrant': False} or leave it unset."
+            )
+        super()._activation_checkpointing_enable(activation_checkpointing_kwargs, *args, **kwargs)
 
     def save_pretrained(self, *args, **kwargs):
         # transformers writes only the saved class's own auto_map entry; loading with AutoModel needs all three.
@@ -440,14 +561,12 @@ class AttnResModel(AttnResPreTrainedModel):
             position_embeddings = {t: shared for t in set(layer_types)}
 
         partial_sum = inputs_embeds  # layer 0 starts the first block: the embedding becomes b_0
-        completed_blocks = inputs_embeds.new_zeros(*inputs_embeds.shape[:-1], 0, inputs_embeds.shape[-1])
-        completed_inv_rms = inputs_embeds.new_zeros(*inputs_embeds.shape[:-1], 0, dtype=torch.float32)
+        completed = CompletedSources.empty(inputs_embeds, capacity=self.config.num_sources()[-1])
         depth_weights = []
         for decoder_layer, layer_type in zip(self.layers, layer_types, strict=True):
-            partial_sum, completed_blocks, completed_inv_rms, *layer_depth_weights = decoder_layer(
+            partial_sum, completed, *layer_depth_weights = decoder_layer(
                 partial_sum,
-                completed_blocks,
-                completed_inv_rms,
+                completed,
                 attention_mask=attention_masks[layer_type],
                 position_embeddings=position_embeddings[layer_type],
                 position_ids=position_ids,
@@ -457,8 +576,7 @@ class AttnResModel(AttnResPreTrainedModel):
             depth_weights += layer_depth_weights
 
         hidden_states, output_depth_weight = depth_attention(
-            self.config, completed_blocks, completed_inv_rms, partial_sum,
-            self.output_attn_res_proj, self.output_attn_res_norm,
+            self.config, completed, partial_sum, self.output_attn_res_proj, self.output_attn_res_norm,
         )  # fmt: skip
         hidden_states = self.norm(hidden_states)
         return AttnResModelOutputWithPast(

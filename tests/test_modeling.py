@@ -211,8 +211,10 @@ def test_one_step_trains_every_query_with_more_than_one_source():
         assert changed == (count > 1), (name, count)
 
 
-def test_activation_checkpointing_gives_same_gradients():
-    model = attnres_twin(tiny_source_model("mistral"), seed=10).train()
+@pytest.mark.parametrize("mode", ["block", "full"])
+def test_activation_checkpointing_gives_same_gradients(mode):
+    # The recomputed layers write their sources into the shared storage again: the gradients must not change.
+    model = attnres_twin(tiny_source_model("mistral"), seed=10, attnres_mode=mode).train()
     ids = random_ids()
 
     def gradients():
@@ -227,6 +229,13 @@ def test_activation_checkpointing_gives_same_gradients():
     assert plain.keys() == checkpointed.keys()
     for name in plain:
         torch.testing.assert_close(plain[name], checkpointed[name], rtol=0, atol=1e-6)
+
+
+def test_reentrant_checkpointing_is_refused_with_the_fix():
+    model = attnres_twin(tiny_source_model("llama"))
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    assert not model.model.layers[0].gradient_checkpointing
 
 
 def test_auto_classes_are_registered():
