@@ -9,15 +9,24 @@ from pathlib import Path
 
 import torch
 
-from . import analysis, training
+from . import analysis, demo, hub, training
 from .configuration_attnres import MODES
 from .conversion import ConversionError, convert_checkpoint, resolve_source
 from .data import DataError
+from .eval import harness
 from .hub import HubUploadError, push_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Failures a user can act on: bad input, a missing file, an unsupported model, a failed check or upload
-EXPECTED_ERRORS = (ConversionError, training.TrainingError, DataError, HubUploadError, OSError, ValueError)
+EXPECTED_ERRORS = (
+    ConversionError,
+    training.TrainingError,
+    DataError,
+    HubUploadError,
+    harness.EvalError,
+    OSError,
+    ValueError,
+)
 
 
 def run_convert(args: argparse.Namespace) -> int:
@@ -80,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
          training.add_train_arguments, training.train_from_args),
         ("analyze", "draw where each sublayer looks in depth, and magnitude and gradient profiles", analysis,
          analysis.add_analyze_arguments, analysis.run_analyze),
+        ("eval", "benchmark with lm-evaluation-harness (GPQA, MATH, HumanEval), side by side with the source", harness,
+         harness.add_eval_arguments, harness.run_eval),
+        ("push", "upload a converted or trained model folder to the Hub, with its model card", hub,
+         hub.add_push_arguments, hub.run_push),
+        ("demo", "convert, train, evaluate and analyse the embedded SmolLM2-135M-Instruct, with a report", demo,
+         demo.add_demo_arguments, demo.run_demo),
     ):  # fmt: skip
         command = subparsers.add_parser(name, help=summary, description=module.__doc__.split("\n\n")[0])
         add_arguments(command)
@@ -108,14 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with stage_messages():
             return args.run(args)
-    except (
-        ConversionError,
-        training.TrainingError,
-        DataError,
-        HubUploadError,
-        OSError,
-        ValueError,
-    ) as error:  # expected failures: a message, not a traceback
+    except EXPECTED_ERRORS as error:  # a message, not a traceback
         print(f"attnres {args.command}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ COMMIT_OID = "0123456789abcdef0123456789abcdef01234567"
 class HubStub:
     def __init__(self):
         self.created_repos: list[str] = []
+        self.create_requests: list[dict] = []  # the JSON body of each create_repo request ("visibility", ...)
         self.files: dict[str, dict[str, bytes]] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -56,6 +57,7 @@ class HubStub:
                     request = json.loads(body)
                     repo_id = "/".join(part for part in (request.get("organization"), request["name"]) if part)
                     hub.created_repos.append(repo_id)
+                    hub.create_requests.append(request)
                     return self._reply(200, {"url": f"{hub.endpoint}/{repo_id}"})
                 if path == "/api/validate-yaml":
                     return self._reply(200, {})

@@ -53,13 +53,7 @@ TINY_RUN = dict(  # a few seconds per run on one CPU core
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from more threads, and idle OpenMP threads slow a shared machine down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", autouse=True)
