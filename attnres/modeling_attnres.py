@@ -249,9 +249,11 @@ class ScoreSources(torch.autograd.Function):
         (queries,) = ctx.saved_tensors
         stacked = ctx.storage.values[..., : ctx.num_sources, :]
         grad_queries = (grad_scores @ stacked.float()).sum(dim=(0, 1)) if ctx.needs_input_grad[0] else None
+        grad_anchor = None
         if ctx.needs_input_grad[1]:
             ctx.storage.grad_slots(ctx.num_sources).add_(grad_scores.transpose(-1, -2) @ queries)
-        return grad_queries, grad_scores.new_zeros(()), None, None
+            grad_anchor = grad_scores.new_zeros(())  # reaches StoreSource, which runs once every reader is done
+        return grad_queries, grad_anchor, None, None
 
 
 class ReadSources(torch.autograd.Function):
@@ -268,9 +270,11 @@ class ReadSources(torch.autograd.Function):
         (weights,) = ctx.saved_tensors
         stacked = ctx.storage.values[..., : ctx.num_sources, :]
         grad_weights = (stacked @ grad_mixed.unsqueeze(-1)).squeeze(-1) if ctx.needs_input_grad[0] else None
+        grad_anchor = None
         if ctx.needs_input_grad[1]:
             ctx.storage.grad_slots(ctx.num_sources).addcmul_(weights.unsqueeze(-1), grad_mixed.unsqueeze(-2))
-        return grad_weights, grad_mixed.new_zeros(()), None, None
+            grad_anchor = grad_mixed.new_zeros(())
+        return grad_weights, grad_anchor, None, None
 
 
 def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm]) -> torch.Tensor:
