@@ -179,8 +179,8 @@ class CompletedSources:
     def close(self, block: torch.Tensor, eps: float) -> "CompletedSources":
         """Append a finished source [B,T,d]. Slots are written once, so earlier views never see a change.
 
-        Here and in `score` and `read`, the autograd functions only run when autograd records: their Python overhead
-        (about 20 us a call) would otherwise dominate decoding.
+        Here, in `score` and in `merge_partial_sum`, the autograd functions only run when autograd records: their Python
+        overhead (about 20 us a call) would otherwise dominate decoding.
         """
         slot = len(self.blocks)
         if torch.is_grad_enabled():
@@ -197,19 +197,9 @@ class CompletedSources:
             return ScoreSources.apply(queries, self.anchor, self.storage, len(self.blocks))
         return source_scores(queries, self.stacked)
 
-    def read(self, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of the completed sources, weights [B,T,n]. -> [B,T,d]"""
-        if torch.is_grad_enabled():
-            return ReadSources.apply(weights, self.anchor, self.storage, len(self.blocks))
-        return weighted_read(weights, self.stacked)
-
 
 def source_scores(queries: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
     return queries @ stacked.float().transpose(-1, -2)  # [q,d] . [B,T,n,d] -> [B,T,q,n]
-
-
-def weighted_read(weights: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
-    return (weights.unsqueeze(-2) @ stacked).squeeze(-2)  # [B,T,n] . [B,T,n,d] -> [B,T,d]
 
 
 class StoreSource(torch.autograd.Function):
@@ -240,6 +230,7 @@ class ScoreSources(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries: torch.Tensor, anchor, storage: SourceStorage, num_sources: int) -> torch.Tensor:
+        queries = queries.detach()  # see MergePartialSum.forward
         ctx.save_for_backward(queries)
         ctx.storage, ctx.num_sources = storage, num_sources
         return source_scores(queries, storage.values[..., :num_sources, :])
@@ -254,27 +245,6 @@ class ScoreSources(torch.autograd.Function):
             ctx.storage.grad_slots(ctx.num_sources).add_(grad_scores.transpose(-1, -2) @ queries)
             grad_anchor = grad_scores.new_zeros(())  # reaches StoreSource, which runs once every reader is done
         return grad_queries, grad_anchor, None, None
-
-
-class ReadSources(torch.autograd.Function):
-    """weights [B,T,n] . the first n stored sources -> [B,T,d]; storage handling as in ScoreSources."""
-
-    @staticmethod
-    def forward(ctx, weights: torch.Tensor, anchor, storage: SourceStorage, num_sources: int) -> torch.Tensor:
-        ctx.save_for_backward(weights)
-        ctx.storage, ctx.num_sources = storage, num_sources
-        return weighted_read(weights, storage.values[..., :num_sources, :])
-
-    @staticmethod
-    def backward(ctx, grad_mixed: torch.Tensor):
-        (weights,) = ctx.saved_tensors
-        stacked = ctx.storage.values[..., : ctx.num_sources, :]
-        grad_weights = (stacked @ grad_mixed.unsqueeze(-1)).squeeze(-1) if ctx.needs_input_grad[0] else None
-        grad_anchor = None
-        if ctx.needs_input_grad[1]:
-            ctx.storage.grad_slots(ctx.num_sources).addcmul_(weights.unsqueeze(-1), grad_mixed.unsqueeze(-2))
-            grad_anchor = grad_mixed.new_zeros(())
-        return grad_weights, grad_anchor, None, None
 
 
 def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm]) -> torch.Tensor:
@@ -302,17 +272,100 @@ def merge_partial_sum(
     One softmax over n + 1 logits equals the paper's online-softmax merge of the two groups; the mixture is then one
     weighted read of the blocks plus the partial sum. -> mixed input [B,T,d], depth weights [B,T,n(+1)]
     """
+    if torch.is_grad_enabled():
+        return MergePartialSum.apply(
+            block_logits, partial_sum, query, completed.anchor, completed.storage, len(completed.blocks), eps,
+            scale_by_num_sources,
+        )  # fmt: skip
+    return merged_input(block_logits, completed.stacked, partial_sum, query, eps, scale_by_num_sources)[:2]
+
+
+def merged_input(
+    block_logits: torch.Tensor,
+    stacked: torch.Tensor,
+    partial_sum: torch.Tensor | None,
+    query: torch.Tensor,
+    eps: float,
+    scale_by_num_sources: bool,
+) -> tuple[torch.Tensor, ...]:
+    """`merge_partial_sum` on the stacked blocks [B,T,n,d]. -> mixed [B,T,d], weights [B,T,S], and for backward:
+    value weights [B,T,S] (model dtype), the partial sum's raw logit w.p and inverse RMS [B,T] (None without one)"""
+    logits, raw_logit, inv_rms = block_logits, None, None
     if partial_sum is not None:
-        partial_logit = (partial_sum.float() @ query) * inverse_rms(partial_sum, eps)  # [B,T]
-        block_logits = torch.cat([block_logits, partial_logit.unsqueeze(-1)], dim=-1)
-    weights = block_logits.softmax(-1)  # [B,T,S]
+        raw_logit = partial_sum.float() @ query  # [B,T]
+        inv_rms = inverse_rms(partial_sum, eps)  # [B,T]
+        logits = torch.cat([block_logits, (raw_logit * inv_rms).unsqueeze(-1)], dim=-1)
+    weights = logits.softmax(-1)  # [B,T,S]
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
-    value_weights = (weights * weights.shape[-1] if scale_by_num_sources else weights).to(completed.dtype)
-    num_blocks = len(completed.blocks)
-    mixed = completed.read(value_weights[..., :num_blocks])  # [B,T,d]
+    value_weights = (weights * weights.shape[-1] if scale_by_num_sources else weights).to(stacked.dtype)
+    num_blocks = stacked.shape[-2]
+    mixed = (value_weights[..., None, :num_blocks] @ stacked).squeeze(-2)  # [B,T,1,n] . [B,T,n,d] -> [B,T,d]
     if partial_sum is not None:
         mixed = torch.addcmul(mixed, value_weights[..., num_blocks:], partial_sum)
-    return mixed, weights
+    return mixed, weights, value_weights, raw_logit, inv_rms
+
+
+class MergePartialSum(torch.autograd.Function):
+    """Phase 2 as one autograd node: its backward reads the stored blocks once and hands the partial sum one gradient.
+
+    Left to autograd, the dozen small steps of `merged_input` each keep their inputs and each send the partial sum a
+    gradient of its own, summed pass by pass; here the backward is written out (softmax, RMS and read rules) and saves
+    only [B,T,S]-sized statistics beside the partial sum. Storage handling as in ScoreSources.
+    """
+
+    @staticmethod
+    def forward(ctx, block_logits, partial_sum, query, anchor, storage: SourceStorage, num_blocks: int, eps, scale):
+        # Detached: matmul takes a several times slower path when an operand requires grad, even with autograd off.
+        block_logits, partial_sum, query = (
+            None if t is None else t.detach() for t in (block_logits, partial_sum, query)
+        )
+        stacked = storage.values[..., :num_blocks, :]
+        mixed, weights, value_weights, raw_logit, inv_rms = merged_input(
+            block_logits, stacked, partial_sum, query, eps, scale
+        )
+        ctx.save_for_backward(weights, value_weights, partial_sum, query, raw_logit, inv_rms)
+        ctx.storage, ctx.num_blocks, ctx.scale = storage, num_blocks, weights.shape[-1] if scale else 1
+        ctx.set_materialize_grads(False)
+        return mixed, weights
+
+    @staticmethod
+    def backward(ctx, grad_mixed: torch.Tensor | None, grad_weights: torch.Tensor | None):
+        weights, value_weights, partial_sum, query, raw_logit, inv_rms = ctx.saved_tensors
+        num_blocks = ctx.num_blocks
+        stacked = ctx.storage.values[..., :num_blocks, :]
+        if grad_mixed is None:
+            grad_mixed = torch.zeros_like(stacked[..., 0, :])
+        # Read: mixed = sum_i value_weights_i * source_i
+        grad_value_weights = (stacked @ grad_mixed.unsqueeze(-1)).squeeze(-1).float()  # [B,T,n]
+        if partial_sum is not None:
+            grad_partial_weight = torch.linalg.vecdot(partial_sum, grad_mixed).float()  # [B,T]
+            grad_value_weights = torch.cat([grad_value_weights, grad_partial_weight.unsqueeze(-1)], dim=-1)
+        grad_weights = (
+            grad_value_weights * ctx.scale if grad_weights is None else grad_value_weights * ctx.scale + grad_weights
+        )
+        # Softmax
+        grad_logits = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # [B,T,S]
+        grad_partial = grad_query = grad_anchor = None
+        if partial_sum is not None:
+            # logit = (p . w) * inv_rms(p), inv_rms = (|p|^2 / d + eps)^-1/2: d inv_rms / dp = -inv_rms^3 p / d
+            grad_logit = grad_logits[..., num_blocks]  # [B,T]
+            grad_raw_logit = grad_logit * inv_rms
+            grad_rms_coefficient = grad_logit * raw_logit * inv_rms.pow(3) / -partial_sum.shape[-1]
+            partial = partial_sum.float()
+            if ctx.needs_input_grad[2]:
+                grad_query = grad_raw_logit.reshape(-1) @ partial.reshape(-1, partial.shape[-1])  # [d]
+            if ctx.needs_input_grad[1]:
+                grad_partial = grad_mixed.float() * value_weights[..., num_blocks:].float()
+                grad_partial = torch.addcmul(grad_partial, grad_raw_logit.unsqueeze(-1), query)
+                grad_partial = torch.addcmul(grad_partial, grad_rms_coefficient.unsqueeze(-1), partial)
+                grad_partial = grad_partial.to(partial_sum.dtype)
+        if ctx.needs_input_grad[3]:
+            ctx.storage.grad_slots(num_blocks).addcmul_(
+                value_weights[..., :num_blocks].unsqueeze(-1), grad_mixed.unsqueeze(-2)
+            )
+            grad_anchor = grad_mixed.new_zeros(())  # reaches StoreSource, which runs once every reader is done
+        grad_block_logits = grad_logits[..., :num_blocks] if ctx.needs_input_grad[0] else None
+        return grad_block_logits, grad_partial, grad_query, grad_anchor, None, None, None, None
 
 
 def depth_attention(
@@ -520,6 +573,7 @@ class AttnResModel(AttnResPreTrainedModel):
         self.output_attn_res_norm = AttnResKeyNorm(hidden_size, config.attnres_eps)
         self.norm = family.cls("RMSNorm")(hidden_size, eps=text_config.rms_norm_eps)
         self.rotary_emb = family.cls("RotaryEmbedding")(config=text_config)
+        self.source_capacity = config.num_sources()[-1]  # fixed with the layers' block boundaries, as they are
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -576,7 +630,7 @@ class AttnResModel(AttnResPreTrainedModel):
             position_embeddings = {t: shared for t in set(layer_types)}
 
         partial_sum = inputs_embeds  # layer 0 starts the first block: the embedding becomes b_0
-        completed = CompletedSources.empty(inputs_embeds, capacity=self.config.num_sources()[-1])
+        completed = CompletedSources.empty(inputs_embeds, capacity=self.source_capacity)
         depth_weights = []
         for decoder_layer, layer_type in zip(self.layers, layer_types, strict=True):
             partial_sum, completed, *layer_depth_weights = decoder_layer(
