@@ -161,12 +161,12 @@ class CompletedSources:
     def __init__(self, storage: SourceStorage, blocks: tuple[torch.Tensor, ...], inv_rms: torch.Tensor, anchor=None):
         self.storage = storage
         self.blocks = blocks  # the source tensors themselves, for the direct reference path
-        self.inv_rms = inv_rms  # [B,T,n] fp32, computed once per source
+        self.inv_rms = inv_rms  # [B,T,1,n] fp32, computed once per source, shaped to scale scores [B,T,q,n]
         self.anchor = anchor
 
     @classmethod
     def empty(cls, like: torch.Tensor, capacity: int) -> "CompletedSources":
-        return cls(SourceStorage(like, capacity), (), like.new_empty(*like.shape[:-1], 0, dtype=torch.float32))
+        return cls(SourceStorage(like, capacity), (), like.new_empty(*like.shape[:-1], 1, 0, dtype=torch.float32))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -188,7 +188,7 @@ class CompletedSources:
         else:
             self.storage.write(slot, block)
             anchor = None
-        inv_rms = torch.cat([self.inv_rms, inverse_rms(block, eps).unsqueeze(-1)], dim=-1)
+        inv_rms = torch.cat([self.inv_rms, inverse_rms(block, eps)[..., None, None]], dim=-1)
         return CompletedSources(self.storage, self.blocks + (block,), inv_rms, anchor)
 
     def score(self, queries: torch.Tensor) -> torch.Tensor:
@@ -256,7 +256,7 @@ def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm]) -> t
 
 def score_completed_blocks(completed: CompletedSources, queries: torch.Tensor) -> torch.Tensor:
     """Phase 1: logits of several folded queries [q,d] against all completed blocks, in one pass. -> [B,T,q,n] fp32"""
-    return completed.score(queries) * completed.inv_rms.unsqueeze(-2)
+    return completed.score(queries) * completed.inv_rms
 
 
 def merge_partial_sum(
