@@ -10,6 +10,8 @@ interleaved (A B A B ...) after warm-up, reporting the median of the per-pair ra
 
 import argparse
 import copy
+import ctypes
+import ctypes.util
 import json
 import os
 import platform
@@ -41,6 +43,17 @@ def source_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     raise ValueError(f"--models: unknown model {name!r}; expected smollm2 or tiny")
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to keep freed memory for reuse instead of handing it back to the OS, as PyTorch's caching
+    allocator does on a GPU. Otherwise every training step faults its large buffers in afresh, and how long that takes
+    varies with the kernel's memory reclaim from run to run, by more than AttnRes costs. Returns whether it applied."""
+    if not sys.platform.startswith("linux") or not ctypes.util.find_library("c"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    m_trim_threshold, m_mmap_max = -1, -4  # mallopt parameters, malloc.h
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def synchronize(device: str) -> None:
@@ -169,6 +182,7 @@ def environment(args: argparse.Namespace) -> dict:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "malloc": args.malloc,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "attnres": attnres.__version__,
@@ -201,9 +215,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument(
+        "--system-malloc", action="store_true", help="time with glibc's default malloc, which returns freed memory"
+    )
     args = parser.parse_args(argv)
     if args.reps < 5:
         parser.error("--reps: at least 5 repetitions")
+    args.malloc = "system" if args.system_malloc or not keep_freed_memory() else "keeps freed memory"
     transformers.logging.set_verbosity_error()
     rows = []
     for name in args.models.split(","):

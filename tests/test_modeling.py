@@ -70,6 +70,41 @@ def test_two_phase_equals_direct_forward_and_gradients(family, mode, block_size,
         assert (naive_grads[name] - fast_grads[name]).abs().max().item() <= 1e-5, name
 
 
+def depth_and_logit_gradients(model, ids, implementation: str) -> dict[str, torch.Tensor]:
+    """Gradients of a loss on the logits plus one on the depth weights themselves (an entropy regulariser, say)."""
+    model.config.attnres_implementation = implementation
+    model.zero_grad()
+    out = model(ids, output_depth_weights=True)
+    entropy = sum(-(w * w.clamp_min(1e-9).log()).sum(-1).mean() for w in out.depth_weights)
+    (out.logits.float().square().mean() + entropy).backward()
+    return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mode", ["block", "full"])
+def test_gradients_through_depth_weights_match_direct(mode):
+    model = attnres_twin(tiny_source_model("llama", num_layers=4), seed=2, attnres_mode=mode, attnres_block_size=2)
+    ids = random_ids()
+    naive, fast = (depth_and_logit_gradients(model.train(), ids, impl) for impl in ("naive", "two_phase"))
+    assert naive.keys() == fast.keys() and any("_res_proj" in name for name in naive)
+    for name in naive:
+        scale = max(1.0, naive[name].abs().max().item())
+        assert (naive[name] - fast[name]).abs().max().item() <= 1e-5 * scale, name
+
+
+@pytest.mark.parametrize("mode", ["block", "full"])
+def test_bf16_gradients_no_further_from_fp32_than_direct(mode):
+    model = attnres_twin(tiny_source_model("llama", num_layers=4), seed=2, attnres_mode=mode, attnres_block_size=2)
+    ids = random_ids()
+    reference = torch.cat([g.flatten() for g in depth_and_logit_gradients(model.train(), ids, "naive").values()])
+    model.to(torch.bfloat16)
+    errors = {}
+    for implementation in ("naive", "two_phase"):
+        grads = torch.cat([g.flatten() for g in depth_and_logit_gradients(model, ids, implementation).values()])
+        errors[implementation] = ((grads - reference).norm() / reference.norm()).item()
+    print(f"{mode}: bf16 gradient error relative to fp32 {errors}")
+    assert errors["two_phase"] <= 1.25 * errors["naive"] + 1e-3
+
+
 def test_source_bookkeeping_matches_paper():
     # Kimi Linear 48B: 27 layers, 3 layers (6 sublayers) per block -> 9 blocks + embedding = 10 output sources.
     config = attnres.AttnResConfig(text_config=tiny_source_config("llama", num_layers=27), attnres_block_size=3)
