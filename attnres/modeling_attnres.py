@@ -169,10 +169,6 @@ class CompletedSources:
         return cls(SourceStorage(like, capacity), (), like.new_empty(*like.shape[:-1], 1, 0, dtype=torch.float32))
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.storage.values.dtype
-
-    @property
     def stacked(self) -> torch.Tensor:
         return self.storage.values[..., : len(self.blocks), :]  # [B,T,n,d], a view
 
