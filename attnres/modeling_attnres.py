@@ -336,9 +336,10 @@ class MergePartialSum(torch.autograd.Function):
         if partial_sum is not None:
             grad_partial_weight = torch.linalg.vecdot(partial_sum, grad_mixed).float()  # [B,T]
             grad_value_weights = torch.cat([grad_value_weights, grad_partial_weight.unsqueeze(-1)], dim=-1)
-        grad_weights = (
-            grad_value_weights * ctx.scale if grad_weights is None else grad_value_weights * ctx.scale + grad_weights
-        )
+        if grad_weights is None:  # the depth weights were not used downstream
+            grad_weights = grad_value_weights * ctx.scale
+        else:
+            grad_weights = grad_weights + grad_value_weights * ctx.scale
         # Softmax
         grad_logits = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # [B,T,S]
         grad_partial = grad_query = grad_anchor = None

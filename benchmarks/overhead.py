@@ -49,9 +49,10 @@ def keep_freed_memory() -> bool:
     """Tell glibc's malloc to keep freed memory for reuse instead of handing it back to the OS, as PyTorch's caching
     allocator does on a GPU. Otherwise every training step faults its large buffers in afresh, and how long that takes
     varies with the kernel's memory reclaim from run to run, by more than AttnRes costs. Returns whether it applied."""
-    if not sys.platform.startswith("linux") or not ctypes.util.find_library("c"):
+    libc_path = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    if libc_path is None:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc = ctypes.CDLL(libc_path)
     m_trim_threshold, m_mmap_max = -1, -4  # mallopt parameters, malloc.h
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
