@@ -90,302 +90,154 @@ def attention_layer_types(text_config) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Depth attention: the math. Shapes: B batch, T tokens, n completed sources, d hidden size.
+# Depth attention: the math. Shapes: B batch, T tokens, n completed sources, k sources in one chunk, q queries,
+# S sources of one sublayer, d hidden size. Plain tensor ops: PyTorch differentiates and compiles them.
 # --------------------------------------------------------------------------------------------------------------------
 
+# The completed sources travel between layers as stacked chunks [B,T,k,d]: a sublayer reads a chunk in one product
+# instead of one pass per source. Closing a source re-stacks the last chunk (autograd keeps each version its readers
+# saw), so a chunk holds at most this many sources: Block AttnRes's ~9 sources fill 3 chunks, Full's 2L+1 stay at
+# O(n) memory (2.5 copies per source) rather than O(n^2).
+SOURCES_PER_CHUNK = 4
 
-class AttnResPseudoQuery(nn.Linear):
-    """The pseudo-query w of one sublayer (paper Eq. 3): a bias-free Linear(d, 1), zero at init (uniform weights)."""
+
+class AttnResPseudoQuery(nn.Module):
+    """The pseudo-query w of one sublayer (paper Eq. 3), zero at init (uniform depth weights).
+
+    Calling the module returns w [d], so that hooks which place or gather parameters on a module call (Accelerate
+    offload, FSDP2, DeepSpeed ZeRO-3) see it read. Not an `nn.Linear`: the score is not w applied to one input, and
+    adapters for linear layers (PEFT's "all-linear") must not wrap it.
+    """
 
     def __init__(self, hidden_size: int):
-        super().__init__(hidden_size, 1, bias=False)
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight[0]
 
 
 class AttnResKeyNorm(nn.Module):
-    """RMSNorm with a learnable gain, applied to the depth keys only; the values stay raw (paper Eq. 2, A4)."""
+    """The RMSNorm of the depth keys: its gain g [d] and eps. The values stay raw (paper Eq. 2, A4).
+
+    Calling the module returns g (see `AttnResPseudoQuery`); `rms_normalized_keys` applies it.
+    """
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, values: torch.Tensor) -> torch.Tensor:
-        values = values.float()
-        return values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+    def forward(self) -> torch.Tensor:
+        return self.weight
 
 
-def depth_mix_reference(
-    sources: torch.Tensor, pseudo_query: AttnResPseudoQuery, key_norm: AttnResKeyNorm, scale_by_num_sources: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The direct computation (paper Fig. 2): sources [B,T,S,d] -> mixed input [B,T,d], depth weights [B,T,S]."""
-    keys = key_norm(sources)  # [B,T,S,d] fp32
-    weights = (keys @ pseudo_query.weight[0].float()).softmax(-1)  # [B,T,S]; no 1/sqrt(d)
-    mixed = (weights.unsqueeze(-1) * sources.float()).sum(-2)  # [B,T,d]
-    if scale_by_num_sources:
-        mixed = mixed * sources.shape[-2]
-    return mixed.to(sources.dtype), weights
+def fp32_region(like: torch.Tensor):
+    """Depth logits and softmax run in fp32 and values in their own dtype, whatever the surrounding autocast."""
+    return torch.autocast(like.device.type, enabled=False)
+
+
+def upcast(values: torch.Tensor) -> torch.Tensor:
+    """fp32, or the values' own dtype where it is wider (float64 models stay float64 throughout)."""
+    return values.to(torch.promote_types(values.dtype, torch.float32))
 
 
 def inverse_rms(values: torch.Tensor, eps: float) -> torch.Tensor:
-    """[..., d] -> [...] fp32. One reduction pass, no [..., d] temporary."""
-    values = values.float()
-    return torch.rsqrt(torch.linalg.vector_norm(values, dim=-1).square() / values.shape[-1] + eps)
+    """[..., d] -> [...] fp32 (or wider), from one norm reduction that reads the values in their own dtype."""
+    norm = torch.linalg.vector_norm(values, dim=-1, dtype=torch.promote_types(values.dtype, torch.float32))
+    return torch.rsqrt(norm.square() / values.shape[-1] + eps)
 
 
-class SourceStorage:
-    """One forward pass's buffers: the finished sources [B,T,capacity,d], and in backward their summed gradients."""
-
-    def __init__(self, like: torch.Tensor, capacity: int):
-        self.values = like.new_empty(*like.shape[:-1], capacity, like.shape[-1])
-        self.grads: torch.Tensor | None = None  # allocated by the first backward that reaches a source
-
-    def write(self, slot: int, source: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.values[..., slot, :] = source
-
-    def grad_slots(self, num_sources: int) -> torch.Tensor:
-        if self.grads is None:
-            self.grads = torch.zeros_like(self.values)
-        return self.grads[..., :num_sources, :]
+def depth_mix_reference(
+    sources: torch.Tensor, pseudo_query: torch.Tensor, key_gain: torch.Tensor, eps: float, scale_by_num_sources: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The direct computation (paper Fig. 2): sources [B,T,S,d] -> mixed input [B,T,d], depth weights [B,T,S]."""
+    with fp32_region(sources):
+        keys = upcast(sources) * inverse_rms(sources, eps).unsqueeze(-1) * upcast(key_gain)  # [B,T,S,d]
+        weights = (keys @ upcast(pseudo_query)).softmax(-1)  # [B,T,S]; no 1/sqrt(d)
+        mixed = (weights.unsqueeze(-1) * upcast(sources)).sum(-2)  # [B,T,d]
+        if scale_by_num_sources:
+            mixed = mixed * sources.shape[-2]
+    return mixed.to(sources.dtype), weights
 
 
-class CompletedSources:
-    """The finished sources: b_0 = the embedding, then one sum per completed block (in Full, every sublayer output).
-
-    Each is copied once into the storage, so a sublayer reads all n of them as one view [B,T,n,d] with no re-stacking,
-    and autograd keeps that one buffer, O(n·T·d) per step, instead of a stacked copy per sublayer (O(n²·T·d)).
-    In backward every reader adds its gradient into one gradient buffer in place, and each source takes its slot
-    once all readers are done; the `anchor` chain (one scalar per source) makes autograd run them in that order.
-    """
-
-    def __init__(self, storage: SourceStorage, blocks: tuple[torch.Tensor, ...], inv_rms: torch.Tensor, anchor=None):
-        self.storage = storage
-        self.blocks = blocks  # the source tensors themselves, for the direct reference path
-        self.inv_rms = inv_rms  # [B,T,1,n] fp32, computed once per source, shaped to scale scores [B,T,q,n]
-        self.anchor = anchor
-
-    @classmethod
-    def empty(cls, like: torch.Tensor, capacity: int) -> "CompletedSources":
-        return cls(SourceStorage(like, capacity), (), like.new_empty(*like.shape[:-1], 1, 0, dtype=torch.float32))
-
-    @property
-    def stacked(self) -> torch.Tensor:
-        return self.storage.values[..., : len(self.blocks), :]  # [B,T,n,d], a view
-
-    def close(self, block: torch.Tensor, eps: float) -> "CompletedSources":
-        """Append a finished source [B,T,d]. Slots are written once, so earlier views never see a change.
-
-        Here, in `score` and in `merge_partial_sum`, the autograd functions only run when autograd records: their Python
-        overhead (about 20 us a call) would otherwise dominate decoding.
-        """
-        slot = len(self.blocks)
-        if torch.is_grad_enabled():
-            anchor = StoreSource.apply(block, self.anchor, self.storage, slot)
-        else:
-            self.storage.write(slot, block)
-            anchor = None
-        inv_rms = torch.cat([self.inv_rms, inverse_rms(block, eps)[..., None, None]], dim=-1)
-        return CompletedSources(self.storage, self.blocks + (block,), inv_rms, anchor)
-
-    def score(self, queries: torch.Tensor) -> torch.Tensor:
-        """Raw scores of folded queries [q,d] against every completed source. -> [B,T,q,n] fp32"""
-        if torch.is_grad_enabled():
-            return ScoreSources.apply(queries, self.anchor, self.storage, len(self.blocks))
-        return source_scores(queries, self.stacked)
-
-
-def source_scores(queries: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
-    return queries @ stacked.float().transpose(-1, -2)  # [q,d] . [B,T,n,d] -> [B,T,q,n]
-
-
-class StoreSource(torch.autograd.Function):
-    """Writes a source into its slot; returns the next anchor. Backward hands the slot's summed gradient over.
-
-    Its anchor feeds every later reader and the next source's anchor, so autograd runs this backward only after
-    all of them have added their gradients for this slot.
-    """
-
-    @staticmethod
-    def forward(ctx, block: torch.Tensor, previous_anchor, storage: SourceStorage, slot: int) -> torch.Tensor:
-        storage.write(slot, block)
-        ctx.storage, ctx.slot = storage, slot
-        return block.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, grad_anchor: torch.Tensor):
-        grad_block = ctx.storage.grad_slots(ctx.slot + 1)[..., ctx.slot, :] if ctx.needs_input_grad[0] else None
-        return grad_block, grad_anchor if ctx.needs_input_grad[1] else None, None, None
-
-
-class ScoreSources(torch.autograd.Function):
-    """queries [q,d] . the first n stored sources -> [B,T,q,n] fp32.
-
-    The storage is kept on ctx, not saved: later slots are written after this call, which `save_for_backward`'s
-    version check would reject although the n slots read here never change.
-    """
-
-    @staticmethod
-    def forward(ctx, queries: torch.Tensor, anchor, storage: SourceStorage, num_sources: int) -> torch.Tensor:
-        queries = queries.detach()  # see MergePartialSum.forward
-        ctx.save_for_backward(queries)
-        ctx.storage, ctx.num_sources = storage, num_sources
-        return source_scores(queries, storage.values[..., :num_sources, :])
-
-    @staticmethod
-    def backward(ctx, grad_scores: torch.Tensor):
-        (queries,) = ctx.saved_tensors
-        stacked = ctx.storage.values[..., : ctx.num_sources, :]
-        grad_queries = (grad_scores @ stacked.float()).sum(dim=(0, 1)) if ctx.needs_input_grad[0] else None
-        grad_anchor = None
-        if ctx.needs_input_grad[1]:
-            ctx.storage.grad_slots(ctx.num_sources).add_(grad_scores.transpose(-1, -2) @ queries)
-            grad_anchor = grad_scores.new_zeros(())  # reaches StoreSource, which runs once every reader is done
-        return grad_queries, grad_anchor, None, None
+def close_source(
+    chunks: tuple[torch.Tensor, ...], inv_rms: torch.Tensor, source: torch.Tensor, eps: float
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Append a finished source [B,T,d] to the completed chunks [B,T,k,d] and their inverse RMS [B,T,n]."""
+    source_inv_rms = inverse_rms(source, eps).unsqueeze(-1)  # a source's RMS is computed once, when it closes
+    inv_rms = torch.cat([inv_rms, source_inv_rms], dim=-1)
+    if chunks and chunks[-1].shape[-2] < SOURCES_PER_CHUNK:
+        return chunks[:-1] + (torch.cat([chunks[-1], source.unsqueeze(-2)], dim=-2),), inv_rms
+    return chunks + (source.unsqueeze(-2),), inv_rms
 
 
 def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm]) -> torch.Tensor:
     """w . (g * v / rms(v)) = (w * g) . v / rms(v): each key-norm gain folds into its query. -> [q,d] fp32"""
-    pseudo_queries = torch.cat([pseudo_query.weight for pseudo_query, _ in depth_heads])
-    gains = torch.stack([key_norm.weight for _, key_norm in depth_heads])
-    return pseudo_queries.float() * gains.float()
+    return torch.stack([upcast(pseudo_query()) * upcast(key_norm()) for pseudo_query, key_norm in depth_heads])
 
 
-def score_completed_blocks(completed: CompletedSources, queries: torch.Tensor) -> torch.Tensor:
-    """Phase 1: logits of several folded queries [q,d] against all completed blocks, in one pass. -> [B,T,q,n] fp32"""
-    return completed.score(queries) * completed.inv_rms
+def score_completed(chunks: tuple[torch.Tensor, ...], inv_rms: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Phase 1: logits of the folded queries [q,d] against every completed source, each chunk read once. -> [B,T,q,n]"""
+    raw_scores = torch.cat([queries @ upcast(chunk).transpose(-1, -2) for chunk in chunks], dim=-1)  # [B,T,q,n]
+    return raw_scores * inv_rms.unsqueeze(-2)
 
 
 def merge_partial_sum(
     block_logits: torch.Tensor,
-    completed: CompletedSources,
+    chunks: tuple[torch.Tensor, ...],
     partial_sum: torch.Tensor | None,
     query: torch.Tensor,
     eps: float,
     scale_by_num_sources: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 2: the partial sum [B,T,d] joins the softmax over the completed blocks' logits [B,T,n].
+    """Phase 2: the partial sum [B,T,d] joins the softmax over the completed sources' logits [B,T,n].
 
     One softmax over n + 1 logits equals the paper's online-softmax merge of the two groups; the mixture is then one
-    weighted read of the blocks plus the partial sum. -> mixed input [B,T,d], depth weights [B,T,n(+1)]
+    weighted read per chunk plus the partial sum. -> mixed input [B,T,d], depth weights [B,T,S]
     """
-    if torch.is_grad_enabled():
-        return MergePartialSum.apply(
-            block_logits, partial_sum, query, completed.anchor, completed.storage, len(completed.blocks), eps,
-            scale_by_num_sources,
-        )  # fmt: skip
-    return merged_input(block_logits, completed.stacked, partial_sum, query, eps, scale_by_num_sources)[:2]
-
-
-def merged_input(
-    block_logits: torch.Tensor,
-    stacked: torch.Tensor,
-    partial_sum: torch.Tensor | None,
-    query: torch.Tensor,
-    eps: float,
-    scale_by_num_sources: bool,
-) -> tuple[torch.Tensor, ...]:
-    """`merge_partial_sum` on the stacked blocks [B,T,n,d]. -> mixed [B,T,d], weights [B,T,S], and for backward:
-    value weights [B,T,S] (model dtype), the partial sum's raw logit w.p and inverse RMS [B,T] (None without one)"""
-    logits, raw_logit, inv_rms = block_logits, None, None
+    logits = block_logits
     if partial_sum is not None:
-        raw_logit = partial_sum.float() @ query  # [B,T]
-        inv_rms = inverse_rms(partial_sum, eps)  # [B,T]
-        logits = torch.cat([block_logits, (raw_logit * inv_rms).unsqueeze(-1)], dim=-1)
+        partial_logit = (upcast(partial_sum) @ query) * inverse_rms(partial_sum, eps)  # [B,T]
+        logits = torch.cat([block_logits, partial_logit.unsqueeze(-1)], dim=-1)
     weights = logits.softmax(-1)  # [B,T,S]
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
-    value_weights = (weights * weights.shape[-1] if scale_by_num_sources else weights).to(stacked.dtype)
-    num_blocks = stacked.shape[-2]
-    mixed = (value_weights[..., None, :num_blocks] @ stacked).squeeze(-2)  # [B,T,1,n] . [B,T,n,d] -> [B,T,d]
+    value_weights = weights * weights.shape[-1] if scale_by_num_sources else weights
+    mixed, start = None, 0
+    for chunk in chunks:
+        chunk_weights = value_weights[..., None, start : start + chunk.shape[-2]].to(chunk.dtype)  # [B,T,1,k]
+        chunk_read = (chunk_weights @ chunk).squeeze(-2)  # [B,T,d]
+        mixed, start = chunk_read if mixed is None else mixed + chunk_read, start + chunk.shape[-2]
     if partial_sum is not None:
-        mixed = torch.addcmul(mixed, value_weights[..., num_blocks:], partial_sum)
-    return mixed, weights, value_weights, raw_logit, inv_rms
-
-
-class MergePartialSum(torch.autograd.Function):
-    """Phase 2 as one autograd node: its backward reads the stored blocks once and hands the partial sum one gradient.
-
-    Left to autograd, the dozen small steps of `merged_input` each keep their inputs and each send the partial sum a
-    gradient of its own, summed pass by pass; here the backward is written out (softmax, RMS and read rules) and saves
-    only [B,T,S]-sized statistics beside the partial sum. Storage handling as in ScoreSources.
-    """
-
-    @staticmethod
-    def forward(ctx, block_logits, partial_sum, query, anchor, storage: SourceStorage, num_blocks: int, eps, scale):
-        # Detached: matmul takes a several times slower path when an operand requires grad, even with autograd off.
-        block_logits, partial_sum, query = (
-            None if t is None else t.detach() for t in (block_logits, partial_sum, query)
-        )
-        stacked = storage.values[..., :num_blocks, :]
-        mixed, weights, value_weights, raw_logit, inv_rms = merged_input(
-            block_logits, stacked, partial_sum, query, eps, scale
-        )
-        ctx.save_for_backward(weights, value_weights, partial_sum, query, raw_logit, inv_rms)
-        ctx.storage, ctx.num_blocks, ctx.scale = storage, num_blocks, weights.shape[-1] if scale else 1
-        ctx.set_materialize_grads(False)
-        return mixed, weights
-
-    @staticmethod
-    def backward(ctx, grad_mixed: torch.Tensor | None, grad_weights: torch.Tensor | None):
-        weights, value_weights, partial_sum, query, raw_logit, inv_rms = ctx.saved_tensors
-        num_blocks = ctx.num_blocks
-        stacked = ctx.storage.values[..., :num_blocks, :]
-        if grad_mixed is None:
-            grad_mixed = torch.zeros_like(stacked[..., 0, :])
-        # Read: mixed = sum_i value_weights_i * source_i
-        grad_value_weights = (stacked @ grad_mixed.unsqueeze(-1)).squeeze(-1).float()  # [B,T,n]
-        if partial_sum is not None:
-            grad_partial_weight = torch.linalg.vecdot(partial_sum, grad_mixed).float()  # [B,T]
-            grad_value_weights = torch.cat([grad_value_weights, grad_partial_weight.unsqueeze(-1)], dim=-1)
-        if grad_weights is None:  # the depth weights were not used downstream
-            grad_weights = grad_value_weights * ctx.scale
-        else:
-            grad_weights = grad_weights + grad_value_weights * ctx.scale
-        # Softmax
-        grad_logits = weights * (grad_weights - (weights * grad_weights).sum(-1, keepdim=True))  # [B,T,S]
-        grad_partial = grad_query = grad_anchor = None
-        if partial_sum is not None:
-            # logit = (p . w) * inv_rms(p), inv_rms = (|p|^2 / d + eps)^-1/2: d inv_rms / dp = -inv_rms^3 p / d
-            grad_logit = grad_logits[..., num_blocks]  # [B,T]
-            grad_raw_logit = grad_logit * inv_rms
-            grad_rms_coefficient = grad_logit * raw_logit * inv_rms.pow(3) / -partial_sum.shape[-1]
-            partial = partial_sum.float()
-            if ctx.needs_input_grad[2]:
-                grad_query = grad_raw_logit.reshape(-1) @ partial.reshape(-1, partial.shape[-1])  # [d]
-            if ctx.needs_input_grad[1]:
-                grad_partial = grad_mixed.float() * value_weights[..., num_blocks:].float()
-                grad_partial = torch.addcmul(grad_partial, grad_raw_logit.unsqueeze(-1), query)
-                grad_partial = torch.addcmul(grad_partial, grad_rms_coefficient.unsqueeze(-1), partial)
-                grad_partial = grad_partial.to(partial_sum.dtype)
-        if ctx.needs_input_grad[3]:
-            ctx.storage.grad_slots(num_blocks).addcmul_(
-                value_weights[..., :num_blocks].unsqueeze(-1), grad_mixed.unsqueeze(-2)
-            )
-            grad_anchor = grad_mixed.new_zeros(())  # reaches StoreSource, which runs once every reader is done
-        grad_block_logits = grad_logits[..., :num_blocks] if ctx.needs_input_grad[0] else None
-        return grad_block_logits, grad_partial, grad_query, grad_anchor, None, None, None, None
+        partial_weight = value_weights[..., start:].to(partial_sum.dtype)  # [B,T,1]
+        mixed = partial_weight * partial_sum if mixed is None else torch.addcmul(mixed, partial_weight, partial_sum)
+    return mixed, weights
 
 
 def depth_attention(
     config: AttnResConfig,
-    completed: CompletedSources,
+    chunks: tuple[torch.Tensor, ...],
+    inv_rms: torch.Tensor,
     partial_sum: torch.Tensor | None,
     pseudo_query: AttnResPseudoQuery,
     key_norm: AttnResKeyNorm,
     phase_one: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The input of one sublayer: its sources are the completed blocks, then the partial sum if there is one.
+    """The input of one sublayer: its sources are the completed ones, then the partial sum if there is one.
 
     `phase_one`: this sublayer's folded query [d] and block logits [B,T,n] when its layer already scored them.
+    -> mixed input [B,T,d], depth weights [B,T,S] fp32
     """
     scale = config.attnres_scale_by_num_sources
-    if config.attnres_implementation == "naive":
-        sources = torch.stack(completed.blocks + ((partial_sum,) if partial_sum is not None else ()), dim=-2)
-        return depth_mix_reference(sources, pseudo_query, key_norm, scale)
-    if phase_one is None:
-        query = folded_queries((pseudo_query, key_norm))
-        phase_one = query[0], score_completed_blocks(completed, query)[..., 0, :]
-    query, block_logits = phase_one
-    return merge_partial_sum(block_logits, completed, partial_sum, query, key_norm.eps, scale)
+    with fp32_region(inv_rms):
+        if config.attnres_implementation == "naive":
+            sources = torch.cat(chunks + (() if partial_sum is None else (partial_sum.unsqueeze(-2),)), dim=-2)
+            return depth_mix_reference(sources, pseudo_query(), key_norm(), key_norm.eps, scale)
+        if phase_one is None:
+            query = folded_queries((pseudo_query, key_norm))
+            phase_one = query[0], score_completed(chunks, inv_rms, query)[..., 0, :]
+        query, block_logits = phase_one
+        return merge_partial_sum(block_logits, chunks, partial_sum, query, key_norm.eps, scale)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -396,9 +248,10 @@ def depth_attention(
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """One decoder layer of the source family (its own attention, MLP and norms), fed by depth attention.
 
-    The depth state between layers: `completed` (b_0 = embedding, then one sum per finished block; in Full mode every
-    sublayer output) and `partial_sum` [B,T,d], the running sum of the current block (before layer 0: the embedding,
-    which layer 0 moves into the completed sources).
+    The depth state between layers, all tensors in the call arguments: `partial_sum` [B,T,d], the running sum of the
+    current block (before layer 0: the embedding, which layer 0 moves into the completed sources); `completed_inv_rms`
+    [B,T,n] and `*completed_chunks` [B,T,k,d], the finished sources (b_0 = embedding, then one sum per finished block;
+    in Full mode every sublayer output) stacked in chunks.
     """
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
@@ -424,29 +277,33 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         partial_sum: torch.Tensor,
-        completed: CompletedSources,
+        completed_inv_rms: torch.Tensor,
+        *completed_chunks: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, ...]:
+        """-> (partial_sum, attention depth weights, MLP depth weights, completed_inv_rms, *completed_chunks)"""
         config, family, eps = self.config, self.family, self.config.attnres_eps
+        chunks, inv_rms = completed_chunks, completed_inv_rms
         if self.attention_starts_block:
-            completed = completed.close(partial_sum, eps)
+            chunks, inv_rms = close_source(chunks, inv_rms, partial_sum, eps)
             partial_sum = None
 
+        attention_head = (self.self_attention_res_proj, self.self_attention_res_norm)
+        mlp_head = (self.mlp_res_proj, self.mlp_res_norm)
         phase_one = [None, None]
         if config.attnres_implementation == "two_phase":  # both pseudo-queries of this layer in one pass
-            queries = folded_queries(
-                (self.self_attention_res_proj, self.self_attention_res_norm), (self.mlp_res_proj, self.mlp_res_norm)
-            )
-            block_logits = score_completed_blocks(completed, queries).unbind(-2)
+            with fp32_region(inv_rms):
+                queries = folded_queries(attention_head, mlp_head)
+                block_logits = score_completed(chunks, inv_rms, queries).unbind(-2)
             phase_one = list(zip(queries, block_logits, strict=True))
 
         # Attention sublayer
         attention_input, attention_depth_weights = depth_attention(
-            config, completed, partial_sum, self.self_attention_res_proj, self.self_attention_res_norm, phase_one[0],
-        )  # fmt: skip
+            config, chunks, inv_rms, partial_sum, *attention_head, phase_one[0]
+        )
         attention_output, _ = self.self_attn(
             hidden_states=self._norm(family.attention_input_norm, attention_input),
             attention_mask=attention_mask,
@@ -457,18 +314,16 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         attention_output = self._norm(family.attention_output_norm, attention_output)
         partial_sum = attention_output if partial_sum is None else partial_sum + attention_output
 
-        # MLP sublayer
-        mlp_input, mlp_depth_weights = depth_attention(
-            config, completed, partial_sum, self.mlp_res_proj, self.mlp_res_norm, phase_one[1],
-        )  # fmt: skip
-        if self.mlp_starts_block:  # Full AttnRes: from here on the attention output is a source of its own
-            completed = completed.close(partial_sum, eps)
+        # MLP sublayer: in Full mode it still reads the attention output as its partial sum, which closes after it
+        mlp_input, mlp_depth_weights = depth_attention(config, chunks, inv_rms, partial_sum, *mlp_head, phase_one[1])
+        if self.mlp_starts_block:
+            chunks, inv_rms = close_source(chunks, inv_rms, partial_sum, eps)
             partial_sum = None
         mlp_output = self.mlp(self._norm(family.mlp_input_norm, mlp_input))
         mlp_output = self._norm(family.mlp_output_norm, mlp_output)
         partial_sum = mlp_output if partial_sum is None else partial_sum + mlp_output
 
-        return partial_sum, completed, attention_depth_weights, mlp_depth_weights
+        return partial_sum, attention_depth_weights, mlp_depth_weights, inv_rms, *chunks
 
 
 @dataclass
@@ -508,7 +363,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True
     _can_record_outputs = {
         "hidden_states": OutputRecorder(AttnResDecoderLayer, index=0),  # the partial sum after each layer
         "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
@@ -533,15 +388,6 @@ class AttnResPreTrainedModel(PreTrainedModel):
             family_initializer = family_model_cls.__new__(family_model_cls)
             family_initializer.__dict__["config"] = self.config.text_config
             family_model_cls._init_weights(family_initializer, module)
-
-    def _activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs):
-        if (activation_checkpointing_kwargs or {}).get("use_reentrant"):
-            # Reentrant checkpointing tracks only tensor arguments, and a layer receives its sources as one object.
-            raise ValueError(
-                "AttnRes supports activation checkpointing with use_reentrant=False only (the default): pass "
-                "activation_checkpointing_kwargs={'use_reentrant': False} or leave it unset."
-            )
-        super()._activation_checkpointing_enable(activation_checkpointing_kwargs, *args, **kwargs)
 
     def save_pretrained(self, *args, **kwargs):
         # transformers writes only the saved class's own auto_map entry; loading with AutoModel needs all three.
@@ -570,7 +416,6 @@ class AttnResModel(AttnResPreTrainedModel):
         self.output_attn_res_norm = AttnResKeyNorm(hidden_size, config.attnres_eps)
         self.norm = family.cls("RMSNorm")(hidden_size, eps=text_config.rms_norm_eps)
         self.rotary_emb = family.cls("RotaryEmbedding")(config=text_config)
-        self.source_capacity = config.num_sources()[-1]  # fixed with the layers' block boundaries, as they are
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -627,22 +472,25 @@ class AttnResModel(AttnResPreTrainedModel):
             position_embeddings = {t: shared for t in set(layer_types)}
 
         partial_sum = inputs_embeds  # layer 0 starts the first block: the embedding becomes b_0
-        completed = CompletedSources.empty(inputs_embeds, capacity=self.source_capacity)
+        completed_inv_rms = inputs_embeds.new_empty(*inputs_embeds.shape[:-1], 0, dtype=torch.float32)  # [B,T,0]
+        completed_chunks = ()
         depth_weights = []
         for decoder_layer, layer_type in zip(self.layers, layer_types, strict=True):
-            partial_sum, completed, *layer_depth_weights = decoder_layer(
+            partial_sum, attention_weights, mlp_weights, completed_inv_rms, *completed_chunks = decoder_layer(
                 partial_sum,
-                completed,
+                completed_inv_rms,
+                *completed_chunks,
                 attention_mask=attention_masks[layer_type],
                 position_embeddings=position_embeddings[layer_type],
                 position_ids=position_ids,
                 cache=cache,
                 **kwargs,
             )
-            depth_weights += layer_depth_weights
+            depth_weights += [attention_weights, mlp_weights]
 
         hidden_states, output_depth_weight = depth_attention(
-            self.config, completed, partial_sum, self.output_attn_res_proj, self.output_attn_res_norm,
+            self.config, tuple(completed_chunks), completed_inv_rms, partial_sum, self.output_attn_res_proj,
+            self.output_attn_res_norm,
         )  # fmt: skip
         hidden_states = self.norm(hidden_states)
         return AttnResModelOutputWithPast(

@@ -246,10 +246,12 @@ def test_one_step_trains_every_query_with_more_than_one_source():
         assert changed == (count > 1), (name, count)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize("mode", ["block", "full"])
-def test_activation_checkpointing_gives_same_gradients(mode):
-    # The recomputed layers write their sources into the shared storage again: the gradients must not change.
-    model = attnres_twin(tiny_source_model("mistral"), seed=10, attnres_mode=mode).train()
+def test_activation_checkpointing_gives_same_gradients(mode, use_reentrant):
+    # The depth state reaches each layer as positional tensors, so reentrant checkpointing tracks it too. Float64: the
+    # recomputation may only change the order of float sums (reentrant backward accumulates layer by layer).
+    model = attnres_twin(tiny_source_model("mistral"), seed=10, attnres_mode=mode).train().double()
     ids = random_ids()
 
     def gradients():
@@ -258,19 +260,12 @@ def test_activation_checkpointing_gives_same_gradients(mode):
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = gradients()
-    model.activation_checkpointing_enable()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
     assert model.model.layers[0].gradient_checkpointing
     checkpointed = gradients()
     assert plain.keys() == checkpointed.keys()
     for name in plain:
-        torch.testing.assert_close(plain[name], checkpointed[name], rtol=0, atol=1e-6)
-
-
-def test_reentrant_checkpointing_is_refused_with_the_fix():
-    model = attnres_twin(tiny_source_model("llama"))
-    with pytest.raises(ValueError, match="use_reentrant=False"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-    assert not model.model.layers[0].gradient_checkpointing
+        torch.testing.assert_close(plain[name], checkpointed[name], rtol=0, atol=1e-12)
 
 
 def test_auto_classes_are_registered():
