@@ -1,0 +1,173 @@
+"""The contracts PyTorch and transformers users rely on, kept by the depth mix: any use of autograd, autocast,
+torch.compile (fullgraph, static-cache decoding) and Accelerate's offloading device map."""
+
+import pytest
+import torch
+from tiny import VOCAB, attnres_twin, tiny_source_model
+from transformers import AutoModelForCausalLM
+
+from attnres.modeling_attnres import AttnResKeyNorm, AttnResPseudoQuery, depth_attention
+
+MODES = ["block", "full"]
+
+
+def random_ids(batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def small_model(mode: str, num_layers: int = 4, family: str = "llama"):
+    return attnres_twin(tiny_source_model(family, num_layers=num_layers), seed=2, attnres_mode=mode, attnres_block_size=2)
+
+
+def two_losses(model, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loss on the logits and one on the depth weights themselves (an entropy regulariser, say)."""
+    out = model(ids, output_depth_weights=True)
+    entropy = sum(-(w * w.clamp_min(1e-9).log()).sum(-1).mean() for w in out.depth_weights)
+    return out.logits.float().square().mean(), entropy
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_gradients_close(expected: dict, actual: dict, relative: float) -> None:
+    assert expected.keys() == actual.keys() and any("_res_proj" in name for name in expected)
+    for name in expected:
+        scale = max(1.0, expected[name].abs().max().item())
+        assert (expected[name] - actual[name]).abs().max().item() <= relative * scale, name
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_backward_passes_equal_one_backward_of_the_sum(mode, one_thread):
+    model, ids = small_model(mode).train(), random_ids()
+    logit_loss, depth_loss = two_losses(model, ids)
+    logit_loss.backward(retain_graph=True)
+    depth_loss.backward()
+    separate = gradients(model)
+    model.zero_grad()
+    sum(two_losses(model, ids)).backward()
+    assert_gradients_close(gradients(model), separate, 1e-5)
+
+
+def hessian_vector_products(model, ids, implementation: str) -> list[torch.Tensor]:
+    model.config.attnres_implementation = implementation
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(sum(two_losses(model, ids)), parameters, create_graph=True)
+    directions = [torch.randn(g.shape, generator=torch.Generator().manual_seed(i)) for i, g in enumerate(grads)]
+    dot = sum((g * v).sum() for g, v in zip(grads, directions, strict=True))
+    return torch.autograd.grad(dot, parameters, allow_unused=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_double_backward_equals_direct_reference(mode, one_thread):
+    model, ids = small_model(mode, num_layers=3).train(), random_ids(length=8)
+    model.set_attn_implementation("eager")  # sdpa's CPU kernel has no double backward
+    direct = hessian_vector_products(model, ids, "naive")
+    two_phase = hessian_vector_products(model, ids, "two_phase")
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    checked = 0
+    for name, expected, actual in zip(names, direct, two_phase, strict=True):
+        if expected is None:
+            assert actual is None or actual.abs().max() == 0, name
+            continue
+        scale = max(1.0, expected.abs().max().item())
+        assert (expected - actual).abs().max().item() <= 1e-4 * scale, name
+        checked += "_res_" in name
+    assert checked >= 6  # the depth parameters' second derivatives are among those compared
+
+
+def autocast_gradients(model, ids, implementation: str) -> torch.Tensor:
+    model.config.attnres_implementation = implementation
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = sum(two_losses(model, ids))
+    loss.backward()
+    return torch.cat([g.flatten() for g in gradients(model).values()])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_autocast_training_step_is_as_close_to_fp32_as_direct(mode, one_thread):
+    model, ids = small_model(mode).train(), random_ids()
+    model.config.attnres_implementation = "naive"
+    sum(two_losses(model, ids)).backward()
+    reference = torch.cat([g.flatten() for g in gradients(model).values()])
+    errors = {
+        implementation: ((autocast_gradients(model, ids, implementation) - reference).norm() / reference.norm()).item()
+        for implementation in ("naive", "two_phase")
+    }
+    print(f"{mode}: bf16 autocast gradient error relative to fp32 {errors}")
+    assert errors["two_phase"] <= 1.25 * errors["naive"] + 1e-3
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = model.model.layers[1].mlp_res_proj.weight.detach().clone()
+    optimizer.step()
+    assert not torch.equal(before, model.model.layers[1].mlp_res_proj.weight)
+
+
+@pytest.mark.parametrize("implementation", ["two_phase", "naive"])
+def test_depth_logits_and_softmax_stay_fp32_under_autocast(implementation):
+    model = small_model("block")
+    model.config.attnres_implementation = implementation
+    generator = torch.Generator().manual_seed(0)
+    chunks = (torch.randn(2, 5, 3, 64, generator=generator) * 4,)  # three completed sources
+    inv_rms = torch.rsqrt(chunks[0].square().mean(-1) + 1e-6)
+    partial_sum = torch.randn(2, 5, 64, generator=generator) * 4
+    pseudo_query, key_norm = AttnResPseudoQuery(64), AttnResKeyNorm(64, 1e-6)
+    with torch.no_grad():
+        pseudo_query.weight.normal_(generator=generator)
+        key_norm.weight.uniform_(0.5, 1.5, generator=generator)
+
+    def depth_weights():
+        return depth_attention(model.config, chunks, inv_rms, partial_sum, pseudo_query, key_norm)[1]
+
+    plain = depth_weights()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = depth_weights()
+        returned = model(random_ids(), output_depth_weights=True).depth_weights
+    assert autocast.dtype == torch.float32 and all(w.dtype == torch.float32 for w in returned)
+    assert (plain - autocast).abs().max().item() <= 1e-6
+    assert plain.std(-1).min() > 1e-2  # the weights are far from uniform: bf16 logits would move them
+
+
+def test_offloaded_device_map_gives_the_plain_logits(tmp_path):
+    model = small_model("block", num_layers=4)
+    model.save_pretrained(tmp_path / "model")
+    ids = random_ids()
+    with torch.no_grad():
+        expected = model(ids).logits
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        offloaded = AutoModelForCausalLM.from_pretrained(
+            tmp_path / "model",
+            device_map="auto",
+            max_memory={"cpu": size // 2},
+            offload_folder=str(tmp_path / "offload"),
+        )
+        placement = set(offloaded.hf_device_map.values())
+        assert "disk" in placement, offloaded.hf_device_map  # some layers really live on disk
+        logits = offloaded(ids).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_fullgraph_forward_and_training_step_equal_eager(mode, one_thread):
+    torch._dynamo.reset()
+    model, ids = small_model(mode, num_layers=3).train(), random_ids()
+    compiled = torch.compile(model, fullgraph=True)
+    eager_out = model(ids, labels=ids)
+    eager_out.loss.backward()
+    eager = gradients(model)
+    model.zero_grad()
+    compiled_out = compiled(ids, labels=ids)
+    compiled_out.loss.backward()
+    assert (eager_out.logits - compiled_out.logits).abs().max().item() <= 1e-5
+    assert_gradients_close(eager, gradients(model), 1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_static_cache_compiled_generation_equals_eager(mode, one_thread):
+    torch._dynamo.reset()
+    model, prompt = small_model(mode, num_layers=3).eval(), random_ids(batch=1, length=6)
+    settings = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    eager_tokens = model.generate(prompt, **settings)
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    compiled_tokens = model.generate(prompt, cache_implementation="static", **settings)
+    assert torch.equal(eager_tokens, compiled_tokens)
