@@ -3,6 +3,8 @@
 Importing the package registers `model_type="attnres"` with AutoConfig, AutoModel and AutoModelForCausalLM.
 """
 
+import importlib.util
+
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_attnres import SUPPORTED_FAMILIES, AttnResConfig
@@ -13,6 +15,12 @@ __version__ = "0.1.0"
 AutoConfig.register("attnres", AttnResConfig, exist_ok=True)
 AutoModel.register(AttnResConfig, AttnResModel, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
+
+# PEFT chooses LoRA's default target modules by model_type; AttnRes keeps the source family's projection names.
+if importlib.util.find_spec("peft") is not None:
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.setdefault("attnres", ["q_proj", "v_proj"])
 
 __all__ = [
     "SUPPORTED_FAMILIES",

@@ -110,6 +110,21 @@ class AttnResConfig(PreTrainedConfig):
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         return getattr(text_config, name)
 
+    def __setattr__(self, name: str, value) -> None:
+        # Writes follow reads: an attribute that reads through to the source architecture is written there, so that
+        # `config.num_hidden_layers = 2` changes what the model builds rather than a shadow copy beside it.
+        text_config = self.__dict__.get("text_config")
+        if (
+            isinstance(text_config, PreTrainedConfig)
+            and name not in self.__dict__
+            and name not in type(self).__annotations__
+            and not hasattr(type(self), name)
+            and name in text_config.__dict__
+        ):
+            setattr(text_config, name, value)
+            return
+        super().__setattr__(name, value)
+
     def sublayer_starts_block(self, sublayer_index: int) -> bool:
         """Whether sublayer `sublayer_index` (0-based; attention = 2*layer, MLP = 2*layer + 1) opens a new block.
 

@@ -26,6 +26,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -438,6 +439,7 @@ class AttnResModel(AttnResPreTrainedModel):
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in set(layer_types)}
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # as the stock 5.24 models
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -511,6 +513,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.text_config.hidden_size, self.vocab_size, bias=False)
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,

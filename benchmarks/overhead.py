@@ -1,10 +1,12 @@
 """What AttnRes costs on top of its source model: prefill, training step, greedy decode and training-step memory.
 
 Each row builds a source model and its converted AttnRes twin from the same weights and measures both in one run,
-interleaved (A B A B ...) after warm-up, reporting the median of the per-pair ratios AttnRes / source.
+interleaved (A B A B ...) after warm-up, reporting the median of the per-pair ratios AttnRes / source. Two worlds:
+`eager`, and `compiled`, where source and twin are each `torch.compile`d (fullgraph) and warmed up before timing, and
+decode uses the static cache with a compiled forward; the compile time (the first call) is reported separately.
 
     python benchmarks/overhead.py                      # converted SmolLM2-135M and a tiny random model, Block and Full
-    python benchmarks/overhead.py --models tiny --json overhead.json
+    python benchmarks/overhead.py --models tiny --worlds eager --json overhead.json
     python benchmarks/overhead.py --device cuda --dtype bfloat16
 """
 
@@ -61,7 +63,8 @@ def synchronize(device: str) -> None:
 
 
 def interleaved_ratio(source_step: Callable, attnres_step: Callable, reps: int, warmup: int, device: str) -> dict:
-    """Median over reps of (AttnRes time / source time), each pair measured back to back."""
+    """Median over reps of (AttnRes time / source time), each pair measured back to back. The first warm-up call of
+    each is reported apart: in the compiled world it is the compilation."""
 
     def timed(step: Callable) -> float:
         synchronize(device)
@@ -70,21 +73,28 @@ def interleaved_ratio(source_step: Callable, attnres_step: Callable, reps: int, 
         synchronize(device)
         return time.perf_counter() - start
 
-    for _ in range(warmup):
+    first_calls = [timed(source_step), timed(attnres_step)]
+    for _ in range(warmup - 1):
         timed(source_step), timed(attnres_step)
     pairs = [(timed(source_step), timed(attnres_step)) for _ in range(reps)]
     return {
+        "first_call_s": {"source": first_calls[0], "attnres": first_calls[1]},
         "source_s": statistics.median(s for s, _ in pairs),
         "attnres_s": statistics.median(a for _, a in pairs),
         "ratio": statistics.median(a / s for s, a in pairs),
     }
 
 
-def training_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable:
+def in_world(model: torch.nn.Module, world: str) -> Callable:
+    return torch.compile(model, fullgraph=True) if world == "compiled" else model
+
+
+def training_step(model: torch.nn.Module, ids: torch.Tensor, world: str) -> Callable:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    forward = in_world(model, world)
 
     def step():
-        model(ids, labels=ids).loss.backward()
+        forward(ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -95,14 +105,14 @@ MEMORY_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {benchmarks_dir!r})
 import overhead
-name, mode, which, dtype, device = sys.argv[1:6]
+name, mode, which, dtype, device, world = sys.argv[1:7]
 model = overhead.source_model(name, overhead.DTYPES[dtype])
 if which == "attnres":
     model = overhead.convert_to_attnres(model, mode=mode)  # takes over the source's tensors
 model = model.to(device).train()
 ids = torch.randint(0, model.config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0)).to(device)
-step = overhead.training_step(model, ids)
-step()  # the optimizer states exist from here on
+step = overhead.training_step(model, ids, world)
+step()  # the optimizer states exist from here on (and the compiled graphs)
 if device.startswith("cuda"):
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
     step(); torch.cuda.synchronize(); peak = torch.cuda.max_memory_allocated()
@@ -114,13 +124,13 @@ print(base, peak)
 """
 
 
-def training_peak_memory(name: str, mode: str, which: str, dtype: str, device: str) -> tuple[int, int]:
+def training_peak_memory(name: str, mode: str, which: str, dtype: str, device: str, world: str) -> tuple[int, int]:
     """(resident bytes before a training step, peak during it), measured in a fresh process for one model."""
     script = MEMORY_SCRIPT.format(benchmarks_dir=os.path.dirname(os.path.abspath(__file__)))
     # Large blocks go straight back to the OS when freed, so the peak of the second step is the step's own.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TRANSFORMERS_VERBOSITY": "error"}
     result = subprocess.run(
-        [sys.executable, "-c", script, name, mode, which, dtype, device],
+        [sys.executable, "-c", script, name, mode, which, dtype, device, world],
         check=True, capture_output=True, text=True, env=env,
     )  # fmt: skip
     base, peak = map(int, result.stdout.split()[-2:])
@@ -133,37 +143,56 @@ def build_pair(name: str, mode: str, dtype: torch.dtype, device: str) -> tuple[t
     return source.to(device), twin.to(device)
 
 
-def benchmark_row(name: str, mode: str, args: argparse.Namespace) -> dict:
+def decode(model: torch.nn.Module, prompt: torch.Tensor, world: str) -> Callable:
+    """Greedy decoding of 64 tokens; compiled: a compiled forward on the static cache."""
+    settings = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    if world == "compiled":
+        forward = torch.compile(model.forward, fullgraph=True)
+        settings["cache_implementation"] = "static"
+
+        def generate():
+            model.forward = forward  # on the instance for the duration of the call: generate calls self(...)
+            try:
+                return model.generate(prompt, **settings)
+            finally:
+                del model.forward
+
+        return generate
+    return lambda: model.generate(prompt, **settings)
+
+
+def benchmark_row(name: str, mode: str, world: str, args: argparse.Namespace) -> dict:
     dtype, device = DTYPES[args.dtype], args.device
     source, twin = build_pair(name, mode, dtype, device)
     vocab = source.config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    row = {"model": name, "mode": mode, "block_size": twin.config.attnres_block_size,
+    row = {"model": name, "mode": mode, "world": world, "block_size": twin.config.attnres_block_size,
            "num_layers": twin.config.num_hidden_layers, "output_sources": twin.config.num_sources()[-1]}  # fmt: skip
 
     prefill_ids = torch.randint(0, vocab, (1, 512), generator=generator).to(device)
+    source_forward, twin_forward = in_world(source, world), in_world(twin, world)
     with torch.no_grad():
         row["prefill"] = interleaved_ratio(
-            lambda: source(prefill_ids), lambda: twin(prefill_ids), args.reps, args.warmup, device
+            lambda: source_forward(prefill_ids), lambda: twin_forward(prefill_ids), args.reps, args.warmup, device
         )
 
     train_ids = torch.randint(0, vocab, (4, 256), generator=generator).to(device)
     source.train(), twin.train()
     row["train_step"] = interleaved_ratio(
-        training_step(source, train_ids), training_step(twin, train_ids), args.reps, args.warmup, device
+        training_step(source, train_ids, world), training_step(twin, train_ids, world), args.reps, args.warmup, device
     )
     source.eval(), twin.eval()
 
     prompt = torch.randint(0, vocab, (1, 64), generator=generator).to(device)
-    generate = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
     row["decode_per_token"] = interleaved_ratio(
-        lambda: source.generate(prompt, **generate), lambda: twin.generate(prompt, **generate),
-        max(3, args.reps // 2), 1, device,
-    )  # fmt: skip
+        decode(source, prompt, world), decode(twin, prompt, world), max(3, args.reps // 2), args.warmup, device
+    )
     for key in ("source_s", "attnres_s"):
         row["decode_per_token"][key] /= 64
 
-    memory = {which: training_peak_memory(name, mode, which, args.dtype, device) for which in ("source", "attnres")}
+    memory = {
+        which: training_peak_memory(name, mode, which, args.dtype, device, world) for which in ("source", "attnres")
+    }
     (source_base, source_peak), (twin_base, twin_peak) = memory["source"], memory["attnres"]
     row["train_peak_memory"] = {
         "source_bytes": source_peak,
@@ -190,17 +219,23 @@ def environment(args: argparse.Namespace) -> dict:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| model | mode | blocks of | prefill | training step | decode / token | train peak memory (process) "
-        "| train step memory (above weights + optimizer) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | mode | blocks of | world | prefill | training step | decode / token | train peak memory (process) "
+        "| train step memory (above weights + optimizer) | compile s (source / AttnRes: prefill, train, decode) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         memory = row["train_peak_memory"]
         layout = f"{row['block_size']} layers" if row["mode"] == "block" else "1 sublayer"
+        compile_times = "-"
+        if row["world"] == "compiled":
+            measures = ("prefill", "train_step", "decode_per_token")
+            compile_times = ", ".join(
+                f"{row[m]['first_call_s']['source']:.0f} / {row[m]['first_call_s']['attnres']:.0f}" for m in measures
+            )
         lines.append(
-            f"| {row['model']} | {row['mode']} | {layout} | {row['prefill']['ratio']:.3f} "
+            f"| {row['model']} | {row['mode']} | {layout} | {row['world']} | {row['prefill']['ratio']:.3f} "
             f"| {row['train_step']['ratio']:.3f} | {row['decode_per_token']['ratio']:.3f} "
-            f"| {memory['ratio']:.3f} | {memory['step_ratio']:.3f} |"
+            f"| {memory['ratio']:.3f} | {memory['step_ratio']:.3f} | {compile_times} |"
         )
     return "\n".join(lines)
 
@@ -209,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2,tiny", help="comma-separated: smollm2, tiny")
     parser.add_argument("--modes", default="block,full", help="comma-separated: block, full")
+    parser.add_argument("--worlds", default="eager,compiled", help="comma-separated: eager, compiled")
     parser.add_argument("--reps", type=int, default=7, help="measured pairs per figure (at least 5)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -220,13 +256,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.reps < 5:
         parser.error("--reps: at least 5 repetitions")
+    if args.warmup < 1:
+        parser.error("--warmup: at least 1 (the first call is reported apart)")
     args.malloc = "system" if args.system_malloc or not keep_freed_memory() else "keeps freed memory"
     transformers.logging.set_verbosity_error()
     rows = []
     for name in args.models.split(","):
         for mode in args.modes.split(","):
-            print(f"measuring {name} / {mode} ...", file=sys.stderr, flush=True)
-            rows.append(benchmark_row(name, mode, args))
+            for world in args.worlds.split(","):
+                print(f"measuring {name} / {mode} / {world} ...", file=sys.stderr, flush=True)
+                rows.append(benchmark_row(name, mode, world, args))
     result = {"environment": environment(args), "rows": rows}
     print(json.dumps(result["environment"]))
     print(markdown_table(rows))
