@@ -4,13 +4,26 @@
 AttnRes settings. Attributes of the source architecture (`hidden_size`, `vocab_size`, ...) read through to
 `text_config`, so code written for the source model keeps working on `model.config`.
 
-This file is copied next to the weights as remote code: it imports only `transformers`.
+This file is copied next to the weights as remote code: it imports only `transformers` (and `packaging`, which transformers
+requires).
 """
 
 import math
 
-from transformers import AutoConfig, PreTrainedConfig
-from transformers.configuration_utils import SubConfigSpec
+import transformers
+from packaging.version import Version
+
+# This file and modeling_attnres.py travel with saved models, to whatever transformers a Hub user has: stop at import,
+# naming the fix, where they cannot run (5.24 renamed `past_key_values` to `cache` and dropped `cache_position`).
+OLDEST_TRANSFORMERS = "5.24.0"
+if Version(transformers.__version__) < Version(OLDEST_TRANSFORMERS):
+    raise ImportError(
+        f"AttnRes models need transformers>={OLDEST_TRANSFORMERS}, found {transformers.__version__}: "
+        f'pip install -U "transformers>={OLDEST_TRANSFORMERS}"'
+    )
+
+from transformers import AutoConfig, PreTrainedConfig  # noqa: E402
+from transformers.configuration_utils import SubConfigSpec  # noqa: E402
 
 # Source families whose decoder layers AttnRes rewires (the `model_type` of their text config).
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text")
