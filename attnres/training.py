@@ -588,6 +588,16 @@ def resolve_mixed_precision(choice: str) -> str | None:
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
+# How the error messages name Accelerate's distributed types
+ENGINE_NAMES = {
+    DistributedType.FSDP: "FSDP",
+    DistributedType.DEEPSPEED: "DeepSpeed",
+    DistributedType.NO: "one process alone",
+    DistributedType.MULTI_CPU: "DDP over CPU processes",
+    DistributedType.MULTI_GPU: "DDP over GPUs",
+}
+
+
 def requested_engine() -> DistributedType | None:
     """FSDP or DeepSpeed where `accelerate launch` (from its config file) or the environment asks for one, else None."""
     if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
@@ -640,13 +650,14 @@ def make_accelerator(config: TrainingConfig) -> Accelerator:
             "ACCELERATE_USE_CPU=1 to train across CPU processes"
         )
     if engine is not None and accelerator.distributed_type is not engine:
-        launch = "started by `accelerate launch` or torchrun" if "WORLD_SIZE" in os.environ else "not launched"
+        launch = "started by a launcher" if "WORLD_SIZE" in os.environ else "not started by a launcher"
         raise TrainingError(
-            f"{engine.value} was asked for (ACCELERATE_USE_{engine.value}=true), but this process ({launch}, "
+            f"{ENGINE_NAMES[engine]} was asked for (ACCELERATE_USE_{engine.value}=true), but this process ({launch}, "
             f"ACCELERATE_USE_CPU={os.environ.get('ACCELERATE_USE_CPU', 'unset')}) would train as "
-            f"{accelerator.distributed_type.value} on {accelerator.device}. Start it with `accelerate launch "
-            "--config_file examples/accelerate/<engine>.yaml -m attnres.training ...`; with GPUs, unset "
-            "ACCELERATE_USE_CPU; for data parallel on CPUs use examples/accelerate/ddp.yaml."
+            f"{ENGINE_NAMES.get(accelerator.distributed_type, accelerator.distributed_type.value)} on "
+            f"{accelerator.device}. Start the processes with `accelerate launch --config_file "
+            "examples/accelerate/<fsdp2 or deepspeed_zero3>.yaml -m attnres.training ...` (where there are GPUs, "
+            "without ACCELERATE_USE_CPU=1), or choose examples/accelerate/ddp.yaml for data parallel."
         )
     return accelerator
 
@@ -681,8 +692,9 @@ def distribution(accelerator: Accelerator, model: nn.Module) -> dict[str, Any]:
     for parameter in model.parameters():
         if isinstance(parameter, DTensor):  # FSDP2: this process's shard
             held, whole = held + parameter.to_local().numel(), whole + parameter.numel()
-        elif hasattr(parameter, "ds_numel"):  # DeepSpeed ZeRO-3: this process's partition
-            held, whole = held + parameter.ds_tensor.numel(), whole + parameter.ds_numel
+        elif hasattr(parameter, "ds_numel"):  # DeepSpeed ZeRO-3: this process's partition, or all of a persistent one
+            held += parameter.ds_numel if parameter.ds_persist else parameter.ds_tensor.numel()
+            whole += parameter.ds_numel
         else:
             held, whole = held + parameter.numel(), whole + parameter.numel()
     return {
