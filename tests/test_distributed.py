@@ -8,17 +8,15 @@ two minutes on two cores.
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny import VOCAB, attnres_twin, tiny_source_model, tiny_tokenizer
+from tiny import TINY_RUN, VOCAB, attnres_twin, tiny_source_model, tiny_tokenizer
 
 from attnres import AttnResForCausalLM
 from attnres.training import TrainingConfig, TrainingError, make_optimizer, train
@@ -29,34 +27,17 @@ NEEDS_DEEPSPEED = pytest.mark.skipif(
 )
 LAUNCH_TIMEOUT = 300  # seconds: a rank that hangs fails the test instead of stalling the suite
 RANKS = 2
-# A tiny run of `attnres train`: 3 optimizer steps of 2 ranks x 4 sequences (8 in the single process)
-RUN = dict(
-    seq_len=32,
+BATCH_PER_RANK = TINY_RUN["batch_size"]
+# 3 optimizer steps of 2 ranks x 4 sequences (8 in the single process), a checkpoint after the second
+RUN = {name: value for name, value in TINY_RUN.items() if name != "batch_size"} | dict(
     max_steps=3,
-    lr=3e-3,
-    attnres_lr=1e-2,
-    warmup_steps=0,
-    eval_size=0.1,
-    max_eval_sequences=8,
-    log_every=1,
-    eval_every=100,
     save_every=2,
     mixed_precision="no",  # bf16 autocast training does not run on these CPUs yet (the depth mix's backward)
 )
-BATCH_PER_RANK = 4
 LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 1e-5  # fp32 noise: sums reduced in another order, after 3 AdamW steps
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def datasets_cache(tmp_path_factory) -> Path:
-    """A datasets cache of this module's own (subprocesses get it through HF_DATASETS_CACHE)."""
-    cache = tmp_path_factory.mktemp("datasets-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
-        yield cache
+pytestmark = pytest.mark.usefixtures("one_thread", "datasets_cache")
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +77,10 @@ def single_process(checkpoint, corpus_file, tmp_path_factory) -> Path:
     return output_dir
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def launch(config_file: Path, arguments: list[str], datasets_cache: Path, **environment: str) -> str:
+def launch(config_file: Path, arguments: list[str], datasets_cache: Path, port: int, **environment: str) -> str:
     """`accelerate launch --config_file CONFIG_FILE` of 2 CPU ranks -> their output; fails the test if they fail."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
-    command += ["--num_processes", str(RANKS), "--main_process_port", str(free_port())]
+    command += ["--num_processes", str(RANKS), "--main_process_port", str(port)]
     command += ["--mixed_precision", "no", *arguments]  # what the CPU can honour (see RUN)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(datasets_cache), **environment}
     child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
@@ -219,7 +194,7 @@ def one_process_reference(settings: dict, batches: torch.Tensor) -> tuple[list[f
     return step_losses, model
 
 
-def test_fsdp2_trains_block_and_full_like_one_process(datasets_cache, tmp_path):
+def test_fsdp2_trains_block_and_full_like_one_process(datasets_cache, free_port, tmp_path):
     script = tmp_path / "fsdp2_ranks.py"
     script.write_text(FSDP2_SCRIPT)
     cases = {"batch_per_rank": 2, "models": FSDP2_CASES}
@@ -228,6 +203,7 @@ def test_fsdp2_trains_block_and_full_like_one_process(datasets_cache, tmp_path):
         EXAMPLES / "fsdp2.yaml",
         [str(script), json.dumps(cases), str(tmp_path)],
         datasets_cache,
+        free_port,
         ACCELERATE_USE_CPU="1",
         PYTHONPATH=os.pathsep.join([tests_folder, os.environ.get("PYTHONPATH", "")]),
     )
@@ -274,7 +250,7 @@ def test_fsdp2_trains_block_and_full_like_one_process(datasets_cache, tmp_path):
     ],
 )
 def test_example_config_runs_its_engine_like_one_process(
-    config_name, engine, sharded, checkpoint, corpus_file, single_process, datasets_cache, tmp_path
+    config_name, engine, sharded, checkpoint, corpus_file, single_process, datasets_cache, free_port, tmp_path
 ):
     """As a user on a CPU machine would (ACCELERATE_USE_CPU=1): FSDP2 and ZeRO-3 run, not DDP in their place.
 
@@ -287,6 +263,7 @@ def test_example_config_runs_its_engine_like_one_process(
         EXAMPLES / config_name,
         train_arguments(output_dir, checkpoint, corpus_file),
         datasets_cache,
+        free_port,
         ACCELERATE_USE_CPU="1",
     )
     layout = records(output_dir)[0]["distribution"]
@@ -318,7 +295,7 @@ ZERO3_EVERY_PARAMETER = {
 
 @NEEDS_DEEPSPEED
 def test_zero3_gathers_every_partitioned_attnres_parameter(
-    checkpoint, corpus_file, single_process, datasets_cache, tmp_path
+    checkpoint, corpus_file, single_process, datasets_cache, free_port, tmp_path
 ):
     """Every pseudo-query and key norm is partitioned; a layer reads them as tensors, and DeepSpeed gathers them for
     it in the forward and the (checkpointed, recomputing) backward: the run equals the single process."""
@@ -331,7 +308,7 @@ def test_zero3_gathers_every_partitioned_attnres_parameter(
     )
     output_dir = tmp_path / "out"
     arguments = train_arguments(output_dir, checkpoint, corpus_file, activation_checkpointing=True)
-    launch(accelerate_config, arguments, datasets_cache)
+    launch(accelerate_config, arguments, datasets_cache, free_port)
     layout = records(output_dir)[0]["distribution"]
     assert (layout["engine"], layout["world_size"], layout["parameter_share"]) == ("DeepSpeed ZeRO-3", RANKS, 0.5)
     assert_trains_like_one_process(output_dir, single_process, "ZeRO-3, every parameter partitioned")
