@@ -642,12 +642,12 @@ def make_accelerator(config: TrainingConfig) -> Accelerator:
     )
     if engine is DistributedType.FSDP and accelerator.distributed_type is DistributedType.MULTI_CPU:
         shard_with_fsdp2(accelerator)
-    # torchrun on a machine without GPUs starts processes that each run alone unless Accelerate is told to use CPUs
+    # Launched processes on an accelerator that Accelerate does not train across (MPS, say) would each run alone
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > accelerator.num_processes:
         raise TrainingError(
-            f"{world_size} processes were launched, but each runs alone (Accelerate found no GPU for them): set "
-            "ACCELERATE_USE_CPU=1 to train across CPU processes"
+            f"{world_size} processes were launched, but each runs alone (Accelerate cannot join them on "
+            f"{accelerator.device}): set ACCELERATE_USE_CPU=1 to train across CPU processes"
         )
     if engine is not None and accelerator.distributed_type is not engine:
         launch = "started by a launcher" if "WORLD_SIZE" in os.environ else "not started by a launcher"
