@@ -37,6 +37,20 @@ FAMILY_OVERRIDES = {
     ),
 }
 FAMILIES = tuple(FAMILY_OVERRIDES)
+# `attnres train` options for a tiny model on a tiny corpus: a few seconds per run on one CPU core
+TINY_RUN = dict(
+    seq_len=32,
+    batch_size=4,
+    max_steps=4,
+    lr=3e-3,
+    attnres_lr=1e-2,
+    warmup_steps=0,
+    eval_size=0.1,
+    max_eval_sequences=8,
+    log_every=1,
+    eval_every=100,
+    save_every=100,
+)
 
 
 def tiny_source_config(family: str, num_layers: int = 5, **overrides):

@@ -1,0 +1,336 @@
+"""Past one process: FSDP2 and DeepSpeed ZeRO-3 train an AttnRes model exactly as one process does, on 2 CPU ranks
+over gloo; each example Accelerate config runs the engine it names; a requested engine never silently becomes DDP.
+
+Every launch is a subprocess with a timeout (a hang fails the test) and one thread per rank. The runs here take about
+two minutes on two cores.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import TINY_RUN, VOCAB, attnres_twin, tiny_source_model, tiny_tokenizer
+
+from attnres import AttnResForCausalLM
+from attnres.training import TrainingConfig, TrainingError, make_optimizer, train
+
+EXAMPLES = Path(__file__).parent.parent / "examples" / "accelerate"
+NEEDS_DEEPSPEED = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason='DeepSpeed is not installed: pip install "attnres[deepspeed]"'
+)
+LAUNCH_TIMEOUT = 300  # seconds: a rank that hangs fails the test instead of stalling the suite
+RANKS = 2
+BATCH_PER_RANK = TINY_RUN["batch_size"]
+# 3 optimizer steps of 2 ranks x 4 sequences (8 in the single process), a checkpoint after the second
+RUN = {name: value for name, value in TINY_RUN.items() if name != "batch_size"} | dict(
+    max_steps=3,
+    save_every=2,
+    mixed_precision="no",  # bf16 autocast training does not run on these CPUs yet (the depth mix's backward)
+)
+LOSS_TOLERANCE = 1e-5
+WEIGHT_TOLERANCE = 1e-5  # fp32 noise: sums reduced in another order, after 3 AdamW steps
+
+pytestmark = pytest.mark.usefixtures("one_thread", "datasets_cache")
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> Path:
+    """A few standard-library modules as JSON lines, one document per paragraph."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    documents = [
+        part
+        for module in ("textwrap", "heapq", "bisect")
+        for part in (stdlib / f"{module}.py").read_text().split("\n\n")
+    ]
+    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": document}) + "\n" for document in documents if document.strip()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny Block AttnRes model (4 layers, blocks of 2, random non-zero queries) and its tokenizer."""
+    folder = tmp_path_factory.mktemp("model")
+    attnres_twin(tiny_source_model("llama", num_layers=4), seed=0, attnres_block_size=2).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def single_process(checkpoint, corpus_file, tmp_path_factory) -> Path:
+    """The reference: `attnres train` in this process, on both ranks' batches at once."""
+    output_dir = tmp_path_factory.mktemp("single") / "out"
+    train(
+        output_dir=str(output_dir),
+        model=str(checkpoint),
+        dataset=str(corpus_file),
+        batch_size=RANKS * BATCH_PER_RANK,
+        **RUN,
+    )
+    return output_dir
+
+
+def launch(config_file: Path, arguments: list[str], datasets_cache: Path, port: int, **environment: str) -> str:
+    """`accelerate launch --config_file CONFIG_FILE` of 2 CPU ranks -> their output; fails the test if they fail."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
+    command += ["--num_processes", str(RANKS), "--main_process_port", str(port)]
+    command += ["--mixed_precision", "no", *arguments]  # what the CPU can honour (see RUN)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(datasets_cache), **environment}
+    child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-4000:]
+    return child.stdout + child.stderr
+
+
+def train_arguments(output_dir: Path, checkpoint: Path, corpus_file: Path, **extra) -> list[str]:
+    options = {**RUN, "batch_size": BATCH_PER_RANK, "output_dir": output_dir, "model": checkpoint}
+    options |= {"dataset": corpus_file, **extra}
+    flags = {name: value for name, value in options.items() if value is not True}
+    switches = [f"--{name.replace('_', '-')}" for name, value in options.items() if value is True]
+    return ["-m", "attnres.training", *switches] + [
+        f"--{name.replace('_', '-')}={value}" for name, value in flags.items()
+    ]
+
+
+def records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(output_dir: Path) -> list[float]:
+    return [record["loss"] for record in records(output_dir) if "loss" in record]
+
+
+def max_weight_diff(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
+    assert first.keys() == second.keys()
+    return max((first[name].float() - second[name].float()).abs().max().item() for name in first)
+
+
+def assert_trains_like_one_process(output_dir: Path, single_process: Path, label: str) -> None:
+    """Same loss at every step, same exported weights (which load into AttnResForCausalLM), within fp32 noise."""
+    distributed, reference = losses(output_dir), losses(single_process)
+    weight_diff = max_weight_diff(
+        load_file(output_dir / "model.safetensors"), load_file(single_process / "model.safetensors")
+    )
+    print(f"{label}: losses {distributed} vs one process {reference}; max weight difference {weight_diff:.2e}")
+    assert len(distributed) == RUN["max_steps"]
+    assert distributed == pytest.approx(reference, abs=LOSS_TOLERANCE)
+    assert weight_diff <= WEIGHT_TOLERANCE
+    assert type(AttnResForCausalLM.from_pretrained(output_dir)) is AttnResForCausalLM
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# FSDP2: the units the training command makes, Block and Full, with and without activation checkpointing
+# --------------------------------------------------------------------------------------------------------------------
+
+FSDP2_SCRIPT = """
+import json, sys
+from pathlib import Path
+import torch
+from tiny import VOCAB, attnres_twin, tiny_source_model
+from torch.distributed.fsdp import FSDPModule
+from attnres.training import TrainingConfig, make_accelerator, make_optimizer, unsharded_twin
+
+cases, output_dir = json.loads(sys.argv[1]), Path(sys.argv[2])
+config = TrainingConfig(output_dir=str(output_dir), mixed_precision="no")
+accelerator = make_accelerator(config)  # as `attnres train` makes it: FSDP2 over gloo
+rank, per_rank = accelerator.process_index, cases["batch_per_rank"]
+shape = (3, accelerator.num_processes * per_rank, 16)  # steps, sequences, tokens
+batches = torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(0))
+results = {"engine": accelerator.distributed_type.value, "world_size": accelerator.num_processes}
+for name, settings in cases["models"].items():
+    model = attnres_twin(tiny_source_model("llama", num_layers=4), seed=1, **settings["attnres"]).train()
+    if settings["activation_checkpointing"]:
+        model.activation_checkpointing_enable()
+    optimizer = make_optimizer(model, config)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    step_losses = []
+    for batch in batches:
+        input_ids = batch[rank * per_rank : (rank + 1) * per_rank]
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        step_losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    units = [name or "<root>" for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    held = sum(parameter.to_local().numel() for parameter in model.parameters())
+    share = held / sum(parameter.numel() for parameter in model.parameters())
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unsharded_twin(accelerator.unwrap_model(model), state_dict).save_pretrained(output_dir / name)
+    checkpointed = all(layer.gradient_checkpointing for layer in accelerator.unwrap_model(model).model.layers)
+    results[name] = {"losses": step_losses, "units": units, "share": share, "checkpointed": checkpointed}
+    accelerator.free_memory()  # forget this model: the Accelerator holds one at a time, as in `attnres train`
+if accelerator.is_main_process:
+    (output_dir / "results.json").write_text(json.dumps(results))
+accelerator.wait_for_everyone()
+"""
+FSDP2_CASES = {
+    "block": {"attnres": {"attnres_block_size": 2}, "activation_checkpointing": False},
+    "block-checkpointed": {"attnres": {"attnres_block_size": 2}, "activation_checkpointing": True},
+    "full": {"attnres": {"attnres_mode": "full"}, "activation_checkpointing": False},
+    "full-checkpointed": {"attnres": {"attnres_mode": "full"}, "activation_checkpointing": True},
+}
+
+
+def one_process_reference(settings: dict, batches: torch.Tensor) -> tuple[list[float], AttnResForCausalLM]:
+    """The same 3 steps in one process: the whole batch, AdamW as `attnres train` sets it up, clipping at 1."""
+    model = attnres_twin(tiny_source_model("llama", num_layers=4), seed=1, **settings["attnres"]).train()
+    optimizer = make_optimizer(model, TrainingConfig(output_dir="unused"))
+    step_losses = []
+    for input_ids in batches:
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        step_losses.append(loss.item())
+    return step_losses, model
+
+
+def test_fsdp2_trains_block_and_full_like_one_process(datasets_cache, free_port, tmp_path):
+    script = tmp_path / "fsdp2_ranks.py"
+    script.write_text(FSDP2_SCRIPT)
+    cases = {"batch_per_rank": 2, "models": FSDP2_CASES}
+    tests_folder = str(Path(__file__).parent)
+    launch(
+        EXAMPLES / "fsdp2.yaml",
+        [str(script), json.dumps(cases), str(tmp_path)],
+        datasets_cache,
+        free_port,
+        ACCELERATE_USE_CPU="1",
+        PYTHONPATH=os.pathsep.join([tests_folder, os.environ.get("PYTHONPATH", "")]),
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (results["engine"], results["world_size"]) == ("FSDP", RANKS)
+
+    batches = torch.randint(3, VOCAB, (3, RANKS * 2, 16), generator=torch.Generator().manual_seed(0))
+    for name, settings in FSDP2_CASES.items():
+        result = results[name]
+        # One unit per decoder layer; the final norm, (tied) embedding and LM head as one more; then the root
+        units = [
+            "<root>",
+            "model.embed_tokens",
+            *(f"model.layers.{index}" for index in range(4)),
+            "model.norm",
+            "lm_head",
+        ]
+        assert result["units"] == units
+        assert 0.5 <= result["share"] < 0.51  # of the parameters, on rank 0
+        assert result["checkpointed"] == settings["activation_checkpointing"]
+        reference_losses, reference = one_process_reference(settings, batches)
+        saved = AttnResForCausalLM.from_pretrained(tmp_path / name)
+        weight_diff = max_weight_diff(dict(saved.named_parameters()), dict(reference.named_parameters()))
+        print(
+            f"FSDP2 {name}: losses {result['losses']} vs one process {reference_losses}; "
+            f"max weight difference {weight_diff:.2e}; rank 0 holds {result['share']:.2%} of the parameters"
+        )
+        assert result["losses"] == pytest.approx(reference_losses, abs=LOSS_TOLERANCE)
+        assert weight_diff <= WEIGHT_TOLERANCE
+        assert saved.config.attnres_mode == reference.config.attnres_mode
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# `attnres train` with each example config, and ZeRO-3 with every parameter partitioned
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config_name, engine, sharded",
+    [
+        ("ddp.yaml", "DDP", False),
+        ("fsdp2.yaml", "FSDP2", True),
+        pytest.param("deepspeed_zero3.yaml", "DeepSpeed ZeRO-3", False, marks=NEEDS_DEEPSPEED),
+    ],
+)
+def test_example_config_runs_its_engine_like_one_process(
+    config_name, engine, sharded, checkpoint, corpus_file, single_process, datasets_cache, free_port, tmp_path
+):
+    """As a user on a CPU machine would (ACCELERATE_USE_CPU=1): FSDP2 and ZeRO-3 run, not DDP in their place.
+
+    The ZeRO-3 example keeps DeepSpeed's parameter persistence threshold (1e5 elements), under which every parameter
+    of this tiny model stays whole on every rank (gradients and optimizer state are partitioned); the test below
+    partitions the parameters too.
+    """
+    output_dir = tmp_path / "out"
+    console = launch(
+        EXAMPLES / config_name,
+        train_arguments(output_dir, checkpoint, corpus_file),
+        datasets_cache,
+        free_port,
+        ACCELERATE_USE_CPU="1",
+    )
+    layout = records(output_dir)[0]["distribution"]
+    assert (layout["engine"], layout["world_size"], layout["device"], layout["backend"]) == (
+        engine,
+        RANKS,
+        "cpu",
+        "gloo",
+    )
+    assert f"Training with {engine} on {RANKS} cpu process(es)" in console
+    # Each rank holds about half of the weights when sharded (FSDP2 splits each along its first dimension)
+    assert 0.5 <= layout["parameter_share"] < 0.51 if sharded else layout["parameter_share"] == 1
+    assert_trains_like_one_process(output_dir, single_process, engine)
+    assert (output_dir / "modeling_attnres.py").exists() and (output_dir / "checkpoints" / "step-2").is_dir()
+
+
+ZERO3_EVERY_PARAMETER = {
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,  # partition everything: pseudo-queries and key norms too
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_clipping": 1.0,
+    "gradient_accumulation_steps": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "train_batch_size": "auto",
+}
+
+
+@NEEDS_DEEPSPEED
+def test_zero3_gathers_every_partitioned_attnres_parameter(
+    checkpoint, corpus_file, single_process, datasets_cache, free_port, tmp_path
+):
+    """Every pseudo-query and key norm is partitioned; a layer reads them as tensors, and DeepSpeed gathers them for
+    it in the forward and the (checkpointed, recomputing) backward: the run equals the single process."""
+    deepspeed_config = tmp_path / "zero3.json"
+    deepspeed_config.write_text(json.dumps(ZERO3_EVERY_PARAMETER))
+    accelerate_config = tmp_path / "zero3.yaml"
+    accelerate_config.write_text(
+        "distributed_type: DEEPSPEED\nnum_machines: 1\nmachine_rank: 0\nuse_cpu: false\n"
+        f"deepspeed_config:\n  deepspeed_config_file: {deepspeed_config}\n  zero3_init_flag: true\n"
+    )
+    output_dir = tmp_path / "out"
+    arguments = train_arguments(output_dir, checkpoint, corpus_file, activation_checkpointing=True)
+    launch(accelerate_config, arguments, datasets_cache, free_port)
+    layout = records(output_dir)[0]["distribution"]
+    assert (layout["engine"], layout["world_size"], layout["parameter_share"]) == ("DeepSpeed ZeRO-3", RANKS, 0.5)
+    assert_trains_like_one_process(output_dir, single_process, "ZeRO-3, every parameter partitioned")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A requested engine that cannot run
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "variable, engine",
+    [("ACCELERATE_USE_FSDP", "FSDP"), pytest.param("ACCELERATE_USE_DEEPSPEED", "DeepSpeed", marks=NEEDS_DEEPSPEED)],
+)
+def test_engine_requested_without_a_launcher_is_a_clear_error(
+    variable, engine, checkpoint, corpus_file, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(variable, "true")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    expected = (
+        rf"{engine} was asked for .*not started by a launcher.* would train as one process alone .*accelerate launch"
+    )
+    with pytest.raises(TrainingError, match=expected):
+        train(output_dir=str(tmp_path), model=str(checkpoint), dataset=str(corpus_file), **RUN)
+    assert not any(tmp_path.iterdir())  # stopped before writing anything
