@@ -121,7 +121,8 @@ class AttnResPseudoQuery(nn.Module):
 class AttnResKeyNorm(nn.Module):
     """The RMSNorm of the depth keys: its gain g [d] and eps. The values stay raw (paper Eq. 2, A4).
 
-    Calling the module returns g (see `AttnResPseudoQuery`); `rms_normalized_keys` applies it.
+    Calling the module returns g (see `AttnResPseudoQuery`): the direct computation scales the normalised keys by it,
+    the two-phase one folds it into the query.
     """
 
     def __init__(self, hidden_size: int, eps: float):
