@@ -4,8 +4,8 @@
 AttnRes settings. Attributes of the source architecture (`hidden_size`, `vocab_size`, ...) read through to
 `text_config`, so code written for the source model keeps working on `model.config`.
 
-This file is copied next to the weights as remote code: it imports only `transformers` (and `packaging`, which transformers
-requires).
+This file is copied next to the weights as remote code: it imports only `transformers` (and `packaging`, which
+transformers requires).
 """
 
 import math

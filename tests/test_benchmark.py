@@ -12,7 +12,8 @@ BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
 def test_overhead_benchmark_reports_every_figure(tmp_path):
     output = tmp_path / "o.json"
     result = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--models", "tiny", "--modes", "block,full", "--worlds", "eager", "--reps", "5", "--json", output],
+        [sys.executable, str(BENCHMARK), "--models", "tiny", "--modes", "block,full", "--worlds", "eager",
+         "--reps", "5", "--json", output],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     report = json.loads(output.read_text())

@@ -16,7 +16,9 @@ def random_ids(batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
 
 
 def small_model(mode: str, num_layers: int = 4, family: str = "llama"):
-    return attnres_twin(tiny_source_model(family, num_layers=num_layers), seed=2, attnres_mode=mode, attnres_block_size=2)
+    return attnres_twin(
+        tiny_source_model(family, num_layers=num_layers), seed=2, attnres_mode=mode, attnres_block_size=2
+    )
 
 
 def two_losses(model, ids) -> tuple[torch.Tensor, torch.Tensor]:
