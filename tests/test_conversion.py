@@ -541,6 +541,12 @@ def test_smollm2_gguf_converts_exactly_within_the_memory_budget(smollm2, tmp_pat
     print(f"peak RSS above imports: {(peak - after_imports) / 2**20:.0f} MiB = {ratio:.2f} x the weights")
     assert ratio <= 2.5
 
+    # The card names the model the GGUF file quantises, not where it lies on this machine
+    card = (output_dir / "README.md").read_text()
+    assert "# SmolLM2-135M-Instruct with Attention Residuals" in card and "base_model: HuggingFaceTB/SmolLM2" in card
+    assert "Converted from `HuggingFaceTB/SmolLM2-135M-Instruct` (GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf`" in card
+    assert folder not in card and folder not in (output_dir / "config.json").read_text()
+
     # The GGUF source carries a quantizer that blocks saving; the converted folder is plain and reloads as converted
     assert "quantization_config" not in (output_dir / "config.json").read_text()
     input_ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[:, :64]
