@@ -297,6 +297,21 @@ def test_correct_conversion_of_a_model_with_large_logits_passes():
     assert "4 x the source's own noise" in report.format() and "attention sdpa vs eager" in report.to_markdown()
 
 
+def test_a_source_with_one_attention_implementation_is_held_to_float32_steps(monkeypatch):
+    source = tiny_source_model("llama", num_layers=2)
+    model = convert_to_attnres(copy.deepcopy(source))
+
+    def only_sdpa(implementation):
+        raise ValueError(f"{implementation} is not supported")
+
+    monkeypatch.setattr(source, "set_attn_implementation", only_sdpa)
+    report = verify_conversion(source, model, tiny_tokenizer(), new_tokens=4)
+    assert report.noise_implementations is None and report.noise_max_abs_logit_diff == 0
+    step = torch.finfo(torch.float32).eps * report.max_abs_source_logit
+    assert report.max_abs_logit_diff_allowed == conversion.NOISE_FACTOR * step
+    assert report.passed and "attention a second implementation (none available)" in report.format()
+
+
 def without_source_count_rescale(model):
     model.config.attnres_scale_by_num_sources = False
 
