@@ -39,8 +39,8 @@ from .analysis import analyze
 from .conversion import (
     DEFAULT_SOURCE,
     SAMPLE_TEXT,
+    ConversionError,
     VerificationReport,
-    check_output_dir,
     convert_checkpoint,
     describe_layout,
     load_source,
@@ -48,6 +48,7 @@ from .conversion import (
     resolve_source,
 )
 from .eval import EvalReport, evaluate
+from .folders import check_output_dir, written_whole
 from .hub import evaluation_summary, read_training_run
 from .training import TrainingConfig, build_datasets, train
 
@@ -138,7 +139,7 @@ def held_out_loss(model: PreTrainedModel, sequences: Dataset, batch_size: int, n
 
 def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
     """Refuse a non-empty OUTPUT unless `overwrite`, which removes what an earlier demo wrote there (only that)."""
-    check_output_dir(output_dir, overwrite)
+    check_output_dir(output_dir, overwrite, "pass --overwrite (overwrite=True) to replace it", ConversionError)
     for name in OUTPUTS:
         path = output_dir / name
         if path.is_dir():
@@ -416,16 +417,14 @@ def figures(result: DemoResult) -> dict[str, Any]:
     }
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write `path` whole or not at all: an interrupted demo leaves no half report."""
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
-
-
 def write_report(result: DemoResult) -> None:
-    write_atomically(result.output_dir / "demo.json", json.dumps(figures(result), indent=1) + "\n")
-    write_atomically(result.report_path, report_markdown(result))
+    """demo.json and report.md, each whole or not at all: an interrupted demo leaves no half report."""
+    for path, text in (
+        (result.output_dir / "demo.json", json.dumps(figures(result), indent=1) + "\n"),
+        (result.report_path, report_markdown(result)),
+    ):
+        with written_whole(path) as partial:
+            partial.write_text(text, encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -70,10 +69,25 @@ from .configuration_attnres import MODES
 from .conversion import (
     DEFAULT_SOURCE,
     ConversionError,
+    conversion_record,
     convert_to_attnres,
     load_source,
     load_source_tokenizer,
+    model_card,
     resolve_source,
+    source_name,
+)
+from .folders import (
+    CHECKPOINTS_FOLDER,
+    METRICS_FILE,
+    TRAINING_CONFIG_FILE,
+    check_output_dir,
+    put_in_place,
+    read_metrics,
+    read_origin,
+    remove,
+    staging_path,
+    write_origin,
 )
 from .hub import push_folder
 
@@ -95,8 +109,6 @@ LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 SCHEDULERS = {"cosine": "cosine_with_min_lr", "wsd": "warmup_stable_decay", "constant": "constant_with_warmup"}
 TRACKERS = tuple(tracker.value for tracker in LoggerType if tracker != LoggerType.ALL)
 ADAM_BETAS = (0.9, 0.95)
-CHECKPOINTS_FOLDER = "checkpoints"
-METRICS_FILE = "metrics.jsonl"
 
 
 class TrainingError(RuntimeError):
@@ -478,17 +490,16 @@ class Checkpoints:
 
     def save(self, step: int) -> Path:
         accelerator, checkpoint = self.accelerator, self.folder / f"step-{step}"
-        staging = self.folder / f".step-{step}.partial"
+        staging = staging_path(checkpoint)
         if accelerator.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)  # left over from a save that was interrupted
+            remove(staging)  # left over from a save that was interrupted
         accelerator.wait_for_everyone()
         accelerator.save_state(staging)
         accelerator.wait_for_everyone()  # save_state returns on each process when its own part is written
         if accelerator.is_main_process:
-            shutil.rmtree(checkpoint, ignore_errors=True)
-            staging.rename(checkpoint)
+            put_in_place(staging, checkpoint)
             for old in self.all()[: -self.total_limit]:
-                shutil.rmtree(old)
+                remove(old)
         accelerator.wait_for_everyone()
         return checkpoint
 
@@ -707,15 +718,6 @@ def distribution(accelerator: Accelerator, model: nn.Module) -> dict[str, Any]:
     }
 
 
-def check_output_dir(output_dir: Path, resume: bool) -> None:
-    if resume or not output_dir.exists() or not any(output_dir.iterdir()):
-        return
-    fix = "choose a new --output-dir"
-    if (output_dir / CHECKPOINTS_FOLDER).is_dir():
-        fix = f"pass --resume to continue the run saved there, or {fix}"
-    raise TrainingError(f"{output_dir} is not empty: {fix}")
-
-
 def start(config: TrainingConfig, accelerator: Accelerator) -> Run:
     """Load tokenizer, data and model, mark what trains, and let Accelerate prepare it all for this process."""
     set_seed(config.seed)
@@ -875,7 +877,8 @@ def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tu
 
 
 def export(run: Run) -> None:
-    """Save the trained model (an AttnRes one with its remote code), or the LoRA adapters, and the tokenizer.
+    """Save the trained model (an AttnRes one with its remote code), or the LoRA adapters, the tokenizer, the origin
+    record (`attnres_origin.json`: the source, its conversion and this run added to the runs before it) and the card.
 
     `get_state_dict` gathers FSDP / ZeRO-3 shards, so every process takes part. Merging LoRA needs whole weights: the
     main process rebuilds the model on the CPU, loads the gathered weights into it and merges there.
@@ -886,13 +889,18 @@ def export(run: Run) -> None:
         if config.train == "lora" and config.merge_lora:
             peft_model = make_trainable(load_model(config), config)
             peft_model.load_state_dict(state_dict)
-            peft_model.merge_and_unload().save_pretrained(run.output_dir)
+            model = peft_model.merge_and_unload()
+            model.save_pretrained(run.output_dir)
         else:
             model = accelerator.unwrap_model(run.model)
             if isinstance(model, FSDPModule):
                 model, state_dict = unsharded_twin(model, state_dict), None
             model.save_pretrained(run.output_dir, state_dict=state_dict)
         run.tokenizer.save_pretrained(run.output_dir)
+        if isinstance(model, PreTrainedModel):  # a model, not LoRA adapters alone
+            origin = trained_origin(run, model)
+            write_origin(run.output_dir, origin)
+            model_card(model.config, origin).save(run.output_dir / "README.md")
     accelerator.wait_for_everyone()
 
 
@@ -911,6 +919,29 @@ def unsharded_twin(model: FSDPModule, state_dict: dict[str, torch.Tensor]) -> Pr
     return twin
 
 
+def trained_origin(run: Run, model: PreTrainedModel) -> dict[str, Any]:
+    """The origin record of the trained model: that of the model the run started from (converted on the fly, or read
+    from its folder) with this run added."""
+    config, progress = run.config, run.progress
+    path, gguf_file = model_location(config)
+    origin = read_origin(Path(path)) if gguf_file is None and Path(path).is_dir() else None
+    if origin is None:
+        origin = {
+            "source": source_name(path, gguf_file),
+            "source_file": gguf_file,
+            "conversion": conversion_record(model, None, "attnres train --convert") if config.convert else None,
+            "training": [],
+        }
+    dataset = config.dataset or "the Python standard library's source files"
+    if Path(dataset).exists():  # a local file or folder: its name, not a path of this machine
+        dataset = f"local files ({Path(dataset).resolve().name})"
+    metrics = read_metrics(run.output_dir)
+    held_out = [[record["step"], record["eval_loss"]] for record in metrics if "eval_loss" in record]
+    run_record = {"train": config.train, "dataset": dataset, "tokens": progress.tokens, "steps": progress.step}
+    origin["training"] = origin.get("training", []) + [run_record | {"held_out_loss": held_out}]
+    return origin
+
+
 def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
     """Continue pretraining as `config` (or `TrainingConfig` fields given as keywords) says; see `attnres train -h`.
 
@@ -919,7 +950,10 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
     """
     config = dataclasses.replace(config, **options) if config is not None else TrainingConfig(**options)
     output_dir = Path(config.output_dir)
-    check_output_dir(output_dir, config.resume)
+    fix = "choose a new --output-dir"
+    if (output_dir / CHECKPOINTS_FOLDER).is_dir():
+        fix = f"pass --resume to continue the run saved there, or {fix}"
+    check_output_dir(output_dir, config.resume, fix, TrainingError)
     accelerator = make_accelerator(config)
     accelerator.wait_for_everyone()  # every process has checked OUTPUT_DIR before the first write to it
     try:
@@ -931,7 +965,7 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
             logger.info(f"Resumed from {resume_from} at step {run.progress.step}")
         if accelerator.is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
-            (output_dir / "training_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+            (output_dir / TRAINING_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
         metrics_log = MetricsLog(output_dir / METRICS_FILE, accelerator, {"distribution": run.distribution})
         metrics_log.forget_from(run.progress.step + 1 if resume_from is not None else 0)
         tracked_config = {k: str(v) for k, v in (dataclasses.asdict(config) | run.distribution).items()}

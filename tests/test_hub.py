@@ -1,6 +1,7 @@
 """`attnres push`: a converted or trained folder reaches a (stub) Hub byte for byte, with a model card that states the
 source model, the block layout, the verification figures and the evaluation summary; bad input fails cleanly."""
 
+import json
 import os
 import shutil
 import socket
@@ -98,28 +99,45 @@ def test_console_script_pushes_every_file_and_a_card_with_the_evaluation(folders
 
     card = uploaded["README.md"].decode()
     assert card.startswith(before["README.md"].decode().rstrip())  # the conversion card, then the evaluation
-    assert f"Converted from `{folders['source']}`" in card and LAYOUT in card
+    assert card.startswith("---\nlibrary_name: transformers\n") and "\n# source with Attention Residuals\n" in card
+    assert "Converted from `source` into Attention Residuals" in card and LAYOUT in card
     assert "## Verification" in card and "| max abs logit diff, converted vs source" in card
+    assert "attention sdpa vs eager" in card  # the calibration of the logit limit
     assert card.endswith(f"## Evaluation\n\n{EVAL_SUMMARY}")
+    assert str(folders["source"].parent) not in card  # names, not paths of this machine
 
 
-def test_trained_export_card_names_the_conversion_it_started_from(folders, hub):
+def test_trained_export_card_names_the_source_and_what_was_done(folders, hub):
     folder = folders["trained"]
-    assert (folder / "checkpoints").is_dir() and not (folder / "README.md").exists()
-    exit_code, output, error = run_cli("push", folder, REPO_ID)
+    origin = json.loads((folder / "attnres_origin.json").read_text())
+    assert origin["source"] == "source" and origin["conversion"]["converted_by"] == "attnres convert"
+    [run] = origin["training"]
+    assert run["steps"] == 2 and run["tokens"] == 2 * 2 * 32 and run["dataset"] == "local files (texts)"
+    assert [step for step, _ in run["held_out_loss"]] == [0, 2]
+    shutil.rmtree(folders["converted"].parent / "renamed", ignore_errors=True)
+    folders["converted"].rename(folders["converted"].parent / "renamed")  # the card needs only the trained folder
+    try:
+        exit_code, output, error = run_cli("push", folder, REPO_ID)
+    finally:
+        (folders["converted"].parent / "renamed").rename(folders["converted"])
     assert exit_code == 0, error
 
     uploaded = hub.files[REPO_ID]
     kept = {name: content for name, content in files_on_disk(folder).items() if not name.startswith("checkpoints/")}
-    assert uploaded.keys() == kept.keys() | {"README.md"}
-    assert all(uploaded[name] == content for name, content in kept.items())
+    assert uploaded.keys() == kept.keys()
+    assert all(uploaded[name] == content for name, content in kept.items())  # its card was written with the model
 
     card = uploaded["README.md"].decode()
-    assert f"Source model: `{folders['source']}`." in card and LAYOUT in card
-    assert f"Figures of the conversion this model started from (`{folders['converted']}`)" in card
-    assert "| greedy tokens identical | " in card
-    assert "## Training" in card and "for 2 optimizer steps" in card and "Held-out loss:" in card
+    assert "\n# source with Attention Residuals\n" in card and "trained with Attention Residuals" not in card
+    assert "Converted from `source` into Attention Residuals" in card
+    assert "then trained for 128 tokens on local files (texts) with `attnres train`." in card and LAYOUT in card
+    assert "Before training, run on the same fixed sample text" in card and "| greedy tokens identical | " in card
+    assert (
+        "## Training\n\n- `attnres train --train all` on local files (texts): 128 tokens in 2 optimizer steps" in card
+    )
+    assert "held-out loss" in card and "at step 0" in card and "at step 2." in card
     assert "## Evaluation" not in card  # no summary in this folder
+    assert str(folders["source"].parent) not in card
 
 
 def test_private_reaches_create_repo(folders, hub):
@@ -160,5 +178,5 @@ def test_plain_model_card_keeps_the_folders_own_readme(folders, hub, tmp_path):
     assert exit_code == 0, error
     card = hub.files[REPO_ID]["README.md"].decode()
     assert card.startswith("---\nlicense: mit\n---\n\n# plain\n")
-    assert "A plain `llama` model, without AttnRes." in card and "No verification figures were found" in card
+    assert "`plain`: a plain `llama` model, without AttnRes." in card and "## Verification" not in card
     assert card.endswith("# My tiny Llama\n\nNotes of my own.\n")

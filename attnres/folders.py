@@ -1,0 +1,95 @@
+"""The folders that `attnres` commands write: what they hold, one check before a command writes into one, one way of
+writing a file or folder whole or not at all, and `attnres_origin.json`, the record of where a model came from and
+what was done to it (converted, verified, trained), from which its model card is made.
+
+Nothing here imports the rest of the package, so every module can use it.
+"""
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS_FOLDER = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+TRAINING_CONFIG_FILE = "training_config.json"
+ORIGIN_FILE = "attnres_origin.json"
+
+
+def check_output_dir(output_dir: Path, allow_existing: bool, fix: str, error: type[Exception]) -> None:
+    """Raise `error` before anything is written if `output_dir` is a file, or a folder with something in it (unless
+    `allow_existing`): what a command writes would mix with, or replace, what is there. The message names `fix`."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise error(f"{output_dir} exists and is not a folder")
+    if not allow_existing and output_dir.is_dir() and any(output_dir.iterdir()):
+        raise error(f"{output_dir} exists and is not empty; {fix}")
+
+
+def staging_path(path: Path) -> Path:
+    """Where `path` (a file or a folder) is written before `put_in_place` moves it there: beside it, hidden, and the
+    same for every process of a run, so that all of them can write into one staging folder."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def put_in_place(staged: Path, path: Path) -> None:
+    """Move the complete `staged` file or folder to `path`, replacing what was there; a rename, so `path` is never
+    half-written."""
+    if staged.is_dir() and path.exists():  # a folder cannot be renamed over another: set the old one aside first
+        previous = path.with_name(f".{path.name}.previous")
+        remove(previous)
+        path.rename(previous)
+        staged.rename(path)
+        remove(previous)
+    else:
+        os.replace(staged, path)
+
+
+@contextmanager
+def written_whole(path: Path) -> Iterator[Path]:
+    """Write `path` (a file or a folder) whole or not at all: write to the yielded staging path, which replaces `path`
+    once the block completes. An interrupted or failed write leaves `path` as it was and no staging behind.
+
+        with written_whole(output_dir) as staging:
+            model.save_pretrained(staging)
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_path(path)
+    remove(staging)  # left over from a write that was killed
+    try:
+        yield staging
+        put_in_place(staging, path)
+    finally:
+        if staging.exists():
+            remove(staging)
+
+
+def read_origin(folder: Path) -> dict[str, Any] | None:
+    """The origin record of a model folder that `attnres convert` or `attnres train` wrote; None for other folders.
+
+    Keys: `source` (the original model's name: a Hub id or the name its files give, never a path of this machine),
+    `source_file` (its GGUF file, if any), `conversion` (None for a model that was not converted, else `mode`,
+    `block_size`, `dtype`, `attnres_version`, parameter counts and `verification`, the figures of
+    `VerificationReport.to_dict` or None when not verified) and `training` (one entry per `attnres train` run).
+    """
+    file = folder / ORIGIN_FILE
+    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+
+
+def write_origin(folder: Path, origin: dict[str, Any]) -> None:
+    (folder / ORIGIN_FILE).write_text(json.dumps(origin, indent=2) + "\n", encoding="utf-8")
+
+
+def read_metrics(folder: Path) -> list[dict[str, Any]]:
+    """The records of `metrics.jsonl` that `attnres train` wrote in `folder`; empty for any other folder."""
+    file = folder / METRICS_FILE
+    return [json.loads(line) for line in file.read_text().splitlines()] if file.is_file() else []
