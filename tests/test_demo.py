@@ -13,7 +13,7 @@ import pytest
 from tiny import tiny_source_model, tiny_tokenizer
 
 from attnres import conversion
-from attnres.cli import build_parser, main
+from attnres.cli import main, parse_args
 from attnres.demo import DemoResult, demo
 from attnres.training import TrainingConfig
 
@@ -87,7 +87,7 @@ def test_each_stage_command_parses_and_names_the_demo_folders(demo_run, tiny):
     output_dir = demo_run.output_dir
     stage_commands = commands((output_dir / "report.md").read_text())
     assert stage_commands.keys() == {"convert", "train", "analyze", "eval"}
-    parsed = {name: build_parser().parse_args(argv) for name, argv in stage_commands.items()}
+    parsed = {name: parse_args(argv) for name, argv in stage_commands.items()}
 
     assert (parsed["convert"].source, parsed["convert"].output_dir) == (str(tiny["source"]), output_dir / "converted")
     names = TrainingConfig.__dataclass_fields__.keys()
