@@ -193,7 +193,14 @@ def test_both_models_are_checked_before_either_loads(command, missing, tmp_path,
 
 def test_evaluate_checks_its_models_before_loading(tmp_path, nothing_loads):
     with pytest.raises(ConversionError, match="no such folder"):
-        harness.evaluate(tmp_path, baseline="./missing", tasks=["gpqa"], output_dir=tmp_path / "out", offline=True)
+        harness.evaluate(
+            tmp_path,
+            baseline="./missing",
+            tasks=["gpqa"],
+            output_dir=tmp_path / "out",
+            offline=True,
+            data_dir="fixtures",
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -396,20 +396,22 @@ def evaluate(
     before anything loads (leave it out of `tasks` to skip it). `offline=None` decides from HF_HUB_OFFLINE /
     HF_DATASETS_OFFLINE and a quick Hub check; offline GPQA and MATH read `data_dir` (`"fixtures"`: the bundled
     fixtures). `tokenizer` goes with model objects: `model`'s and, when it is an object too, the baseline's (a
-    source and its conversion share one); without it, objects load theirs from `name_or_path`.
+    source and its conversion share one); without it, objects load theirs from `name_or_path`. Named models are
+    checked before any loads (`resolve_source`): a missing folder, or a Hub id that cannot be had (offline: not in
+    the cache), raises `ConversionError`.
     """
     if output_dir is None:
         raise EvalError("evaluate() needs an output_dir for the results and summary.md")
     check_code_execution([TASK_ALIASES.get(task, task) for task in tasks], allow_code_execution)
     is_offline = resolve_offline(offline)
-    for candidate in (baseline, model):  # every model named, before any loads: a wrong one fails at once
-        if isinstance(candidate, (str, os.PathLike)):
-            resolve_source(str(candidate), offline=is_offline)
     data_path = resolve_data_dir(data_dir)
     names = lm_eval_task_names(tasks, is_offline, data_path)
     settings = RunSettings(
         names, task_manager(names, data_path), limit, batch_size, allow_code_execution, log_samples, max_gen_toks
     )
+    for candidate in (baseline, model):  # every model named, before any loads or anything is written
+        if isinstance(candidate, (str, os.PathLike)):
+            resolve_source(str(candidate), offline=is_offline)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
