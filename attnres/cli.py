@@ -6,11 +6,13 @@ imports torch, transformers and the module that does its work only when it runs 
 subcommands are declared here and restate a few choices and defaults of the modules behind them; tests/test_cli.py
 checks that they agree.
 
-Errors: a mistake the user can fix (a wrong path, a missing extra, a refused conversion, ...) is one line on stderr and
-exit status 1; anything else is a bug and shows its traceback. `--debug` (or ATTNRES_DEBUG=1) shows tracebacks for all.
+Errors: a mistake the user can fix (a wrong path, a missing extra, a refused conversion, a full disk ...) is one line
+on stderr and exit status 1; anything else is a bug and shows its traceback. `--debug` (or ATTNRES_DEBUG=1) shows
+tracebacks for all.
 """
 
 import argparse
+import errno
 import importlib
 import importlib.util
 import logging
@@ -40,8 +42,9 @@ USER_ERRORS = (
     ("attnres.hub", "HubUploadError"),
     ("attnres.analysis", "AnalysisError"),
 )
-# The user's own files: a path given on the command line that does not exist or cannot be read
+# The user's files and disks: a path that does not exist or cannot be read or written, a full or read-only disk
 USER_FILE_ERRORS = (FileNotFoundError, PermissionError)
+USER_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 # Optional dependencies by top-level module -> the extra of this package that installs them
 EXTRAS = {
     "accelerate": "train",
@@ -395,7 +398,8 @@ def run(args: argparse.Namespace) -> int:
 
 def is_user_error(error: BaseException) -> bool:
     classes = [getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules]
-    return isinstance(error, (*classes, *USER_FILE_ERRORS))
+    disk_error = isinstance(error, OSError) and error.errno in USER_DISK_ERRNOS
+    return disk_error or isinstance(error, (*classes, *USER_FILE_ERRORS))
 
 
 def missing_extra(error: ModuleNotFoundError, command: Command) -> str | None:
