@@ -1,26 +1,11 @@
 """AttnRes: Attention Residuals (Kimi Team, arXiv 2603.15031) for Hugging Face Transformers.
 
-Importing the package registers `model_type="attnres"` with AutoConfig, AutoModel and AutoModelForCausalLM.
+Importing the package is light, so that the `attnres` command answers at once. The first use of a name below
+(`attnres.AttnResConfig`, `from attnres import AttnResForCausalLM`) loads torch and transformers and registers
+`model_type="attnres"` with AutoConfig, AutoModel and AutoModelForCausalLM (see `attnres.auto`).
 """
 
-import importlib.util
-
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-from .configuration_attnres import SUPPORTED_FAMILIES, AttnResConfig
-from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel
-
 __version__ = "0.1.0"
-
-AutoConfig.register("attnres", AttnResConfig, exist_ok=True)
-AutoModel.register(AttnResConfig, AttnResModel, exist_ok=True)
-AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
-
-# PEFT chooses LoRA's default target modules by model_type; AttnRes keeps the source family's projection names.
-if importlib.util.find_spec("peft") is not None:
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
-
-    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.setdefault("attnres", ["q_proj", "v_proj"])
 
 __all__ = [
     "SUPPORTED_FAMILIES",
@@ -29,3 +14,15 @@ __all__ = [
     "AttnResModel",
     "AttnResPreTrainedModel",
 ]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from . import auto
+
+        return getattr(auto, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

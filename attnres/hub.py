@@ -146,12 +146,6 @@ def push_model(model_dir: str | Path, repo_id: str, private: bool = False) -> st
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def add_push_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", type=Path, help="a folder written by `attnres convert` or `attnres train`")
-    parser.add_argument("repo_id", help="the Hub model repo to upload to (created if needed), e.g. me/smollm2-attnres")
-    parser.add_argument("--private", action="store_true", help="create the repo as private")
-
-
 def run_push(args: argparse.Namespace) -> int:
     print(f"Uploaded {args.model_dir}: {push_model(args.model_dir, args.repo_id, args.private)}")
     return 0

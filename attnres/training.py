@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import logging
 import math
 import os
 import signal
@@ -29,7 +28,6 @@ import sys
 import threading
 import time
 import types
-import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +58,14 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    HfArgumentParser,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    get_scheduler,
+)
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from . import data
@@ -68,7 +73,6 @@ from .analysis import depth_weight_entropy, sublayer_names
 from .configuration_attnres import MODES
 from .conversion import (
     DEFAULT_SOURCE,
-    ConversionError,
     conversion_record,
     convert_to_attnres,
     load_source,
@@ -119,7 +123,8 @@ class TrainingError(RuntimeError):
 class TrainingConfig:
     """Options of `attnres train`, one per field (`seq_len` is `--seq-len`); `train(**options)` takes the same names.
 
-    Each field's metadata holds its argparse settings: the help text, and choices or a metavar where it has them.
+    Each field's metadata holds its argparse settings for `HfArgumentParser`: the help text, and choices or a metavar
+    where it has them.
     """
 
     output_dir: str = field(
@@ -254,24 +259,19 @@ class TrainingConfig:
             self.report_to = [self.report_to]
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one option per `TrainingConfig` field to `parser` (for example the `attnres train` subparser)."""
-    hints = typing.get_type_hints(TrainingConfig)
-    for spec in dataclasses.fields(TrainingConfig):
-        option = {"dest": spec.name, **spec.metadata}
-        annotation = hints[spec.name]
-        if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
-            option["required"] = True
-        elif annotation in (int, float, str):
-            option["help"] += " (default: %(default)s)"
-        if annotation is bool:
-            option["action"] = "store_true"
-        elif typing.get_origin(annotation) is list:
-            option |= {"nargs": "+", "default": []}
-        else:
-            option["type"] = next(t for t in typing.get_args(annotation) or (annotation,) if t is not types.NoneType)
-            option["default"] = None if spec.default is dataclasses.MISSING else spec.default
-        parser.add_argument("--" + spec.name.replace("_", "-"), **option)
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Ends an option's help with its default, unless it has none or the help already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, [], argparse.SUPPRESS) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def train_argument_parser(**parser_options: Any) -> HfArgumentParser:
+    """The options of `attnres train`: one per `TrainingConfig` field (`--seq-len`, or `--seq_len`), by transformers'
+    `HfArgumentParser`, which reads each field's type, default and metadata."""
+    return HfArgumentParser(TrainingConfig, formatter_class=DefaultsHelpFormatter, **parser_options)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1001,17 +1001,9 @@ def train_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m attnres.training ...`, for launchers that start a module: `torchrun -m`, `accelerate launch -m`."""
-    parser = argparse.ArgumentParser(prog="attnres train", description=__doc__.split("\n\n")[0])
-    add_train_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(format="%(message)s")
-    for name in ("attnres", __name__):  # this package's progress messages (this module is __main__ under -m)
-        logging.getLogger(name).setLevel(logging.INFO)
-    try:
-        return train_from_args(args)
-    except (TrainingError, data.DataError, ConversionError, OSError) as error:  # expected: a message, no traceback
-        print(f"attnres train: error: {error}", file=sys.stderr)
-        return 1
+    from .cli import main as command_main  # `attnres train`: the same options, messages and error handling
+
+    return command_main(["train", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

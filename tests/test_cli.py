@@ -1,0 +1,281 @@
+"""The `attnres` command: --help without heavy imports, options that agree with the modules behind them, model
+arguments checked before anything loads (wrong folders, an unreachable Hub, offline), and the error policy."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from huggingface_hub import constants as hub_constants
+
+from attnres import cli, conversion, demo
+from attnres.conversion import ConversionError
+from attnres.eval import harness
+from attnres.training import TrainingConfig
+
+HEAVY_MODULES = ("torch", "transformers", "lm_eval", "accelerate", "datasets", "peft", "matplotlib")
+
+
+def run_cli(*argv) -> tuple[int, str]:
+    stderr = StringIO()
+    with redirect_stdout(StringIO()), redirect_stderr(stderr):
+        exit_code = cli.main([str(arg) for arg in argv])
+    return exit_code, stderr.getvalue()
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fail the test if any model is loaded or evaluated."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before every model argument was checked")
+
+    for module, name in ((conversion, "load_source"), (conversion, "convert_checkpoint"), (harness, "load_model")):
+        monkeypatch.setattr(module, name, refuse)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_help_of_every_command_imports_nothing_heavy():
+    """`attnres --help` and `attnres <command> --help` (but `train`, whose options are TrainingConfig's) in a fresh
+    Python: no torch, transformers or lm-eval, so they answer in a fraction of a second."""
+    commands = [[], *([name] for name in cli.COMMANDS if name != "train")]
+    script = f"""
+import sys
+from contextlib import redirect_stdout
+from io import StringIO
+from attnres import cli
+for argv in {commands!r}:
+    try:
+        with redirect_stdout(StringIO()):
+            cli.main([*argv, "--help"])
+    except SystemExit as exit:
+        assert exit.code == 0, argv
+print(sorted(name for name in {HEAVY_MODULES!r} if name in sys.modules))
+"""
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "[]"
+
+
+def test_restated_choices_and_defaults_match_the_modules():
+    from attnres.configuration_attnres import MODES
+
+    assert cli.MODES == MODES
+    assert cli.CONVERT_DTYPES == tuple(conversion.DTYPES)
+    assert cli.EVAL_DTYPES == tuple(harness.EVAL_DTYPES)
+    assert cli.TASK_ALIASES == tuple(harness.TASK_ALIASES)
+    assert cli.DEFAULT_TASKS == ",".join(harness.DEFAULT_TASKS)
+    assert (cli.FIXTURES, cli.DEFAULT_SOURCE) == (harness.FIXTURES, conversion.DEFAULT_SOURCE)
+    assert cli.DEMO_DEFAULTS == {
+        "output": demo.DEFAULT_OUTPUT,
+        "steps": demo.DEFAULT_STEPS,
+        "eval_limit": demo.DEFAULT_EVAL_LIMIT,
+        "max_gen_toks": demo.DEFAULT_MAX_GEN_TOKS,
+    }
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    action = next(action for action in cli.build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    return {**action.choices, "train": cli.train_parser()}
+
+
+def test_every_option_of_every_command_has_help():
+    for name, parser in subparsers().items():
+        undocumented = [action.dest for action in parser._actions if not action.help]
+        assert not undocumented, (name, undocumented)
+
+
+def test_train_options_are_training_config_fields():
+    parser = cli.train_parser()
+    options = [action for action in parser._actions if action.dest not in ("help", "debug")]
+    assert sorted(action.dest for action in options) == sorted(TrainingConfig.__dataclass_fields__)
+    help_text = parser.format_help()
+    for option in ("--model", "--train {all,attnres,lora}", "--grad-accum", "--attnres-lr", "--resume", "--convert"):
+        assert option in help_text
+    args = cli.parse_args(["train", "--output-dir", "out", "--seq-len", "64", "--convert", "--debug"])
+    assert (args.command, args.debug) == ("train", True)
+    fields = {name: value for name, value in vars(args).items() if name in TrainingConfig.__dataclass_fields__}
+    assert TrainingConfig(**fields) == TrainingConfig(output_dir="out", seq_len=64, convert=True)
+
+
+def test_unknown_options_are_refused():
+    with pytest.raises(SystemExit) as exit, redirect_stderr(StringIO()) as stderr:
+        cli.parse_args(["convert", "a", "b", "--colour", "red"])
+    assert exit.value.code == 2 and "unrecognized arguments: --colour red" in stderr.getvalue()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Model arguments
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["./my-llama", "/no/such/model", "~/no-such-model", "runs/exp1/model"])
+def test_a_missing_folder_is_named(path, tmp_path, nothing_loads):
+    exit_code, error = run_cli("convert", path, tmp_path / "out")
+    assert exit_code == 1 and error == f"attnres convert: error: no such folder: {path}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_is_not_a_model_folder(tmp_path, nothing_loads):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    exit_code, error = run_cli("convert", tmp_path / "model.gguf", tmp_path / "out")
+    assert exit_code == 1 and "is a file; a model is a folder" in error and "--gguf-file model.gguf" in error
+
+
+def test_unreachable_hub_fails_once_before_anything_loads(monkeypatch, tmp_path, nothing_loads):
+    attempts = []
+
+    def refused_connection(address, timeout):
+        attempts.append(address)
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(conversion.socket, "create_connection", refused_connection)
+    exit_code, error = run_cli("convert", "someone/my-llama", tmp_path / "out")
+    assert exit_code == 1 and len(attempts) == 1
+    assert "someone/my-llama is not a local folder and the Hub (" in error and ") is unreachable" in error
+
+
+def no_network(*args, **kwargs):
+    raise AssertionError("offline, the network was used")
+
+
+@pytest.mark.parametrize("offline_by", ["--offline", "HF_HUB_OFFLINE"])
+def test_offline_never_touches_the_network(offline_by, monkeypatch, tmp_path, nothing_loads):
+    monkeypatch.setattr(conversion.socket, "create_connection", no_network)
+    monkeypatch.setattr(conversion, "repo_exists", no_network)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", offline_by == "HF_HUB_OFFLINE")
+    options = ["--offline"] if offline_by == "--offline" else []
+    for argv in (
+        ["convert", "someone/my-llama", tmp_path / "out", *options],
+        ["eval", "someone/my-llama", "--tasks", "gpqa", "--output", tmp_path / "eval", *options],
+        ["analyze", "someone/my-llama", "--output", tmp_path / "analysis", *options],
+    ):
+        exit_code, error = run_cli(*argv)
+        assert exit_code == 1 and "someone/my-llama is not a local folder, and offline" in error, error
+        assert "Hugging Face cache" in error and "Traceback" not in error
+    assert not any((tmp_path / name).exists() for name in ("out", "eval", "analysis"))
+
+
+def test_offline_hub_id_in_the_cache_is_accepted(monkeypatch, tmp_path):
+    snapshot = tmp_path / "models--someone--my-llama" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "models--someone--my-llama" / "refs").mkdir()
+    (tmp_path / "models--someone--my-llama" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(conversion.socket, "create_connection", no_network)
+    assert conversion.resolve_source("someone/my-llama", offline=True) == ("someone/my-llama", None)
+    with pytest.raises(ConversionError, match="a copy is in the Hugging Face cache: pass --offline"):
+        monkeypatch.setattr(conversion, "hub_reachable", lambda: False)
+        conversion.resolve_source("someone/my-llama", offline=False)
+
+
+@pytest.mark.parametrize("command", ["eval", "analyze"])
+@pytest.mark.parametrize("missing", ["model", "baseline"])
+def test_both_models_are_checked_before_either_loads(command, missing, tmp_path, nothing_loads):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model, baseline = (tmp_path / "missing", folder) if missing == "model" else (folder, tmp_path / "missing")
+    exit_code, error = run_cli(command, model, "--baseline", baseline, "--output", tmp_path / "out")
+    assert exit_code == 1 and error == f"attnres {command}: error: no such folder: {tmp_path / 'missing'}\n"
+
+
+def test_evaluate_checks_its_models_before_loading(tmp_path, nothing_loads):
+    with pytest.raises(ConversionError, match="no such folder"):
+        harness.evaluate(
+            tmp_path,
+            baseline="./missing",
+            tasks=["gpqa"],
+            output_dir=tmp_path / "out",
+            offline=True,
+            data_dir="fixtures",
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_bug_shows_its_traceback(monkeypatch, tmp_path):
+    def broken(args):
+        raise ValueError("a bug, not the user's mistake")
+
+    monkeypatch.setattr("attnres.analysis.run_analyze", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        run_cli("analyze", tmp_path)
+
+
+@pytest.mark.parametrize("debug_by", ["--debug", "ATTNRES_DEBUG"])
+def test_debug_shows_the_traceback_of_user_errors_too(debug_by, monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNRES_DEBUG", "1" if debug_by == "ATTNRES_DEBUG" else "0")
+    options = ["--debug"] if debug_by == "--debug" else []
+    with pytest.raises(ConversionError, match="no such folder"):
+        run_cli("convert", "./my-llama", tmp_path / "out", *options)
+
+
+@pytest.mark.parametrize(("command", "missing", "extra"), [("eval", "lm_eval", "eval"), ("demo", "peft", "all")])
+def test_a_missing_extra_names_the_install_line(command, missing, extra, monkeypatch, tmp_path):
+    def without_extra(args):
+        raise ModuleNotFoundError(f"No module named '{missing}'", name=missing)
+
+    module, function = cli.COMMANDS[command].run.split(":")
+    monkeypatch.setattr(f"{module}.{function}", without_extra)
+    model = ["default"] if command == "eval" else []
+    exit_code, error = run_cli(command, *model, "--output", tmp_path / "out")
+    assert exit_code == 1
+    assert error == f'attnres {command}: error: {missing} is not installed: pip install "attnres[{extra}]"\n'
+
+
+def test_missing_gguf_package_names_its_extra(monkeypatch):
+    real_find_spec = conversion.importlib.util.find_spec
+    monkeypatch.setattr(
+        conversion.importlib.util, "find_spec", lambda name: None if name == "gguf" else real_find_spec(name)
+    )
+    with pytest.raises(ConversionError, match=r'pip install "attnres\[gguf\]"'):
+        conversion.resolve_source(str(Path.cwd()), gguf_file="model.gguf")
+
+
+def test_the_lean_core_converts_and_each_command_names_its_extra(tmp_path):
+    """With no extra installed (their modules made unimportable in a fresh Python): a safetensors checkpoint
+    converts, loads through the Auto classes, and each command that needs an extra names its pip line."""
+    script = f"""
+import sys
+for name in {tuple(cli.EXTRAS)!r}:
+    sys.modules[name] = None  # `import name` raises ModuleNotFoundError; find_spec says it is not installed
+from contextlib import redirect_stderr
+from io import StringIO
+from tiny import tiny_source_model, tiny_tokenizer
+from attnres import cli
+tiny_source_model("llama").save_pretrained({str(tmp_path / "source")!r})
+tiny_tokenizer().save_pretrained({str(tmp_path / "source")!r})
+assert cli.main(["convert", {str(tmp_path / "source")!r}, {str(tmp_path / "converted")!r}]) == 0
+from transformers import AutoModelForCausalLM
+assert type(AutoModelForCausalLM.from_pretrained({str(tmp_path / "converted")!r})).__name__ == "AttnResForCausalLM"
+for argv in (["train", "--output-dir", "run"], ["eval", "default"], ["analyze", {str(tmp_path / "converted")!r}]):
+    stderr = StringIO()
+    with redirect_stderr(stderr):
+        assert cli.main(argv) == 1
+    print(stderr.getvalue().strip())
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    child = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.splitlines()[-3:] == [
+        'attnres train: error: accelerate is not installed: pip install "attnres[train]"',
+        'attnres eval: error: lm_eval is not installed: pip install "attnres[eval]"',
+        'attnres analyze: error: matplotlib is not installed: pip install "attnres[plots]"',
+    ]
