@@ -205,6 +205,13 @@ def unseen_sequences(tokenizer, seq_len: int, count: int) -> Dataset:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def humaneval(model: str, output_dir: Path, eval_options: dict) -> dict[str, float | None]:
+    """`attnres eval --tasks humaneval` of a model folder (or `default`): pass@1 and its standard error."""
+    report = evaluate(model, tasks=["humaneval"], output_dir=output_dir, **eval_options)
+    row = next(row for row in report.rows if row.metric.startswith("pass@1"))
+    return {"humaneval_pass_at_1": row.attnres, "humaneval_stderr": row.attnres_stderr}
+
+
 def run_stages(folder: Path, stages: list[tuple[float, dict]], common: dict[str, Any]) -> tuple[Any, list[dict], float]:
     """Train `stages` one after the other into `folder`/stage-N -> (last TrainingResult, metrics of all, seconds)."""
     total_steps, model, metrics, step_offset = common["max_steps"], common["model"], [], 0
@@ -230,12 +237,12 @@ def curve(metrics: list[dict], tokens_per_step: int, key: str = "eval_loss") -> 
 def depth_picture(model: PreTrainedModel, tokenizer, folder: Path, tokens: int) -> None:
     """`attnres analyze` of a trained model on the built-in sample text: where each sublayer looks in depth."""
     input_ids = tokenizer(SAMPLE_TEXT, return_tensors="pt", add_special_tokens=False).input_ids[:, :tokens]
-    analyze(model.to("cpu").float(), input_ids, folder)
+    analyze(model.to("cpu", torch.float32), input_ids, folder)
 
 
 @torch.no_grad()
 def unseen_loss(model: PreTrainedModel, sequences: Dataset, name: str) -> float:
-    return held_out_loss(model.to("cpu").float(), sequences, 4, name)
+    return held_out_loss(model.to("cpu", torch.float32), sequences, 4, name)  # `.float()` refuses GGUF models
 
 
 def scratch_study(output: Path, scale: Scale, corpus: Path, seeds: int, training: dict) -> dict:
@@ -270,6 +277,7 @@ def scratch_study(output: Path, scale: Scale, corpus: Path, seeds: int, training
                 depth_picture(
                     result.model, tokenizer, output / "scratch" / f"analysis-{variant}", scale.scratch_seq_len
                 )
+            save_partial(output / "scratch" / "runs.json", runs)
     return {
         "tokens": steps * tokens_per_step,
         "steps": steps,
@@ -279,7 +287,9 @@ def scratch_study(output: Path, scale: Scale, corpus: Path, seeds: int, training
     }
 
 
-def cpt_study(output: Path, scale: Scale, corpus: Path, source: str, training: dict, eval_options: dict) -> dict:
+def cpt_study(
+    output: Path, scale: Scale, corpus: Path, source: str, variants: list[str], training: dict, eval_options: dict
+) -> dict:
     source_path, gguf_file = resolve_source(source)
     tokenizer = load_source_tokenizer(source_path, gguf_file)
     unseen = unseen_sequences(tokenizer, scale.cpt_seq_len, scale.cpt_eval_sequences)
@@ -299,7 +309,8 @@ def cpt_study(output: Path, scale: Scale, corpus: Path, source: str, training: d
     source_model = load_source(source_path, torch.float32, gguf_file)
     runs["source"] = {"label": "the source, untrained", "unseen_loss": unseen_loss(source_model, unseen, "source")}
     del source_model
-    for name, (label, stages) in (CPT_VARIANTS | RECIPES).items():
+    for name in variants:
+        label, stages = (CPT_VARIANTS | RECIPES)[name]
         logger.info("Continued pretraining: %s", label)
         folder = output / "cpt" / name
         result, metrics, seconds = run_stages(folder, stages, common)
@@ -318,20 +329,22 @@ def cpt_study(output: Path, scale: Scale, corpus: Path, source: str, training: d
         if name in ("converted", "attnres-only"):
             depth_picture(result.model, tokenizer, folder / "analysis", 512)
         del result
-    runs["source"]["final"] = runs["plain"]["start"]  # step 0 of the plain run scores the untrained source
-    for name in HUMANEVAL_VARIANTS:
-        model = source if name == "source" else runs[name]["folder"]
-        logger.info("HumanEval: %s", name)
-        report = evaluate(model, tasks=["humaneval"], output_dir=output / "humaneval" / name, **eval_options)
-        row = next(row for row in report.rows if row.metric.startswith("pass@1"))
-        runs[name]["humaneval_pass_at_1"] = row.attnres
-        runs[name]["humaneval_stderr"] = row.attnres_stderr
+        if name in HUMANEVAL_VARIANTS:
+            runs[name] |= humaneval(runs[name]["folder"], output / "humaneval" / name, eval_options)
+        save_partial(output / "cpt" / "runs.json", runs)
+    runs["source"]["final"] = runs[variants[0]]["start"]  # every variant starts as the source: step 0 scores it
+    runs["source"] |= humaneval(source, output / "humaneval" / "source", eval_options)
     return {"tokens": steps * tokens_per_step, "steps": steps, "config": common, "runs": runs}
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Tables and plots
 # --------------------------------------------------------------------------------------------------------------------
+
+
+def save_partial(path: Path, runs: Any) -> None:
+    """The runs so far, should the benchmark be stopped before it writes results.json."""
+    path.write_text(json.dumps(runs, indent=1) + "\n")
 
 
 def spread(values: list[float]) -> str:
@@ -388,9 +401,9 @@ def scratch_table(study: dict) -> str:
 
 
 def cpt_table(study: dict, names: list[str]) -> str:
-    runs, plain = study["runs"], study["runs"]["plain"]
+    runs, plain = study["runs"], study["runs"].get("plain")
     rows = []
-    for name in names:
+    for name in [name for name in names if name in runs]:
         run = runs[name]
         humaneval = run.get("humaneval_pass_at_1")
         rows.append(
@@ -398,7 +411,7 @@ def cpt_table(study: dict, names: list[str]) -> str:
                 run["label"],
                 "0" if name == "source" else f"{study['tokens']:,}",
                 f"{run['final']:.4f}",
-                "–" if name == "source" else f"{run['final'] - plain['final']:+.4f}",
+                "–" if name == "source" or plain is None else f"{run['final'] - plain['final']:+.4f}",
                 f"{run['unseen_loss']:.4f}",
                 "–" if humaneval is None else f"{humaneval:.3f}",
                 "–" if name == "source" else f"{run['seconds']:.0f}",
@@ -434,7 +447,7 @@ def plot_cpt(study: dict, names: list[str], path: Path) -> None:
     """Held-out loss at each evaluation (left) and training loss at every step (right; the same batches for all)."""
     figure = Figure(figsize=(12, 4.5))
     held_out_axes, training_axes = figure.subplots(1, 2)
-    for index, name in enumerate(names):
+    for index, name in enumerate(name for name in names if name in study["runs"]):
         run = study["runs"][name]
         held_out_axes.plot(*zip(*run["curve"], strict=True), "o-", color=f"C{index}", label=run["label"])
         training_axes.plot(*zip(*run["training_curve"], strict=True), ".-", color=f"C{index}", label=run["label"])
@@ -487,6 +500,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scratch-tokens", type=int, help="training tokens (bytes) per from-scratch run")
     parser.add_argument("--humaneval-problems", type=int, help="HumanEval problems, the first N of 164")
     parser.add_argument("--max-gen-toks", type=int, help="tokens each HumanEval answer may generate")
+    parser.add_argument(
+        "--variants",
+        default=",".join([*CPT_VARIANTS, *RECIPES]),
+        help="comma-separated continued-pretraining variants and recipes to run (default: all)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a field of Scale or of the from-scratch model shape, e.g. --set hidden_size=128",
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="(default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="(default: float32)")
     parser.add_argument("--corpus", help="a folder of .txt documents to train on (default: the python3-doc sources)")
@@ -503,7 +528,20 @@ def scale_for(args: argparse.Namespace) -> Scale:
         "humaneval_problems": args.humaneval_problems,
         "max_gen_toks": args.max_gen_toks,
     }
-    return dataclasses.replace(scale, **{k: v for k, v in overrides.items() if v is not None})
+    scale = dataclasses.replace(scale, **{k: v for k, v in overrides.items() if v is not None})
+    fields = {spec.name: spec.type for spec in dataclasses.fields(Scale)}
+    numbers = [name for name, kind in fields.items() if kind in (int, float)]
+    for setting in args.set:
+        name, _, value = setting.partition("=")
+        if name in scale.scratch_shape:  # the from-scratch model's shape: hidden_size, num_hidden_layers, ...
+            scale = dataclasses.replace(scale, scratch_shape=scale.scratch_shape | {name: int(value)})
+        elif name in numbers:
+            scale = dataclasses.replace(scale, **{name: fields[name](float(value))})
+        else:
+            raise QualityError(
+                f"--set {setting}: expected FIELD=NUMBER, FIELD one of {', '.join(numbers + list(scale.scratch_shape))}"
+            )
+    return scale
 
 
 def smoke_source(folder: Path) -> str:
@@ -523,6 +561,10 @@ def main(argv: list[str] | None = None) -> int:
         raise QualityError(f"--studies: expected scratch and/or cpt, got {args.studies}")
     if args.output.exists() and any(args.output.iterdir()):
         raise QualityError(f"{args.output} is not empty: choose a new --output")
+    variants = [variant.strip() for variant in args.variants.split(",") if variant.strip()]
+    unknown = set(variants) - {*CPT_VARIANTS, *RECIPES}
+    if unknown or not variants:
+        raise QualityError(f"--variants {args.variants}: expected some of {', '.join([*CPT_VARIANTS, *RECIPES])}")
     if args.device == "cpu":
         os.environ["ACCELERATE_USE_CPU"] = "1"  # Accelerate would take a GPU if there is one
     elif not torch.cuda.is_available():
@@ -554,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         results["scratch"] = scratch_study(output, scale, corpus, args.seeds, training)
         write_results(output, results, start)
     if "cpt" in studies:
-        results["cpt"] = cpt_study(output, scale, corpus, source, training, eval_options)
+        results["cpt"] = cpt_study(output, scale, corpus, source, variants, training, eval_options)
         write_results(output, results, start)
     print(f"Results: {output / 'results.json'}, {output / 'summary.md'} ({results['seconds']:.0f} s)")
     return 0
