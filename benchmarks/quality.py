@@ -53,16 +53,19 @@ SCRATCH_VARIANTS = {"prenorm": "PreNorm baseline", "block": "Block AttnRes", "fu
 # stage trains what the previous one wrote. `warmup_share` is the warm-up as a share of the stage's steps.
 CPT_VARIANTS = {
     "plain": ("plain CPT of the source", [(1.0, {})]),
-    "converted": ("converted + CPT (today's defaults)", [(1.0, {"convert": True})]),
+    "converted": ("converted + CPT (the defaults: --attnres-lr 1e-4)", [(1.0, {"convert": True})]),
     "attnres-only": ("converted, AttnRes parameters only", [(1.0, {"convert": True, "train": "attnres"})]),
     "lora": ("LoRA on the source", [(1.0, {"train": "lora", "merge_lora": True})]),
 }
 RECIPES = {
-    "attnres-lr-1e-4": ("converted + CPT, --attnres-lr 1e-4", [(1.0, {"convert": True, "attnres_lr": 1e-4})]),
+    "attnres-lr-1e-3": (
+        "converted + CPT, --attnres-lr 1e-3 (the earlier default)",
+        [(1.0, {"convert": True, "attnres_lr": 1e-3})],
+    ),
     "attnres-lr-1e-5": ("converted + CPT, --attnres-lr 1e-5", [(1.0, {"convert": True, "attnres_lr": 1e-5})]),
     "warmup-quarter": (
-        "converted + CPT, warm-up a quarter of the steps",
-        [(1.0, {"convert": True, "warmup_share": 0.25})],
+        "converted + CPT, --attnres-lr 1e-3, warm-up a quarter of the steps",
+        [(1.0, {"convert": True, "attnres_lr": 1e-3, "warmup_share": 0.25})],
     ),
     "staged": (
         "AttnRes only for a quarter of the steps, then everything",
@@ -173,7 +176,7 @@ def docs_corpus(corpus: str | None) -> Path:
     """The training corpus: `--corpus`, or the Python documentation's reST sources from the python3-doc package."""
     if corpus is not None:
         return Path(corpus)
-    found = sorted(Path("/").glob(DOCS_CORPUS_GLOB.lstrip("/")))
+    found = sorted({path.resolve() for path in Path("/").glob(DOCS_CORPUS_GLOB.lstrip("/"))})  # Debian links some
     if not found:
         raise QualityError(
             f"no training corpus: {DOCS_CORPUS_GLOB} is missing. Install the Python documentation "
