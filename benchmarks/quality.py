@@ -34,18 +34,32 @@ from typing import Any
 import torch
 from datasets import Dataset
 from matplotlib.figure import Figure
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.analysis import analyze
 from attnres.conversion import DEFAULT_SOURCE, SAMPLE_TEXT, load_source, load_source_tokenizer, resolve_source
 from attnres.data import pack, stdlib_source_files
-from attnres.demo import held_out_loss
 from attnres.eval import evaluate
 from attnres.hub import read_training_run
 from attnres.training import is_attnres_parameter, train
 
 logger = logging.getLogger("quality")
+
+
+def held_out_loss(model: PreTrainedModel, sequences: Dataset, batch_size: int, name: str) -> float:
+    """Mean next-token loss over equal-length sequences (each batch weighted by its size), as training scores it."""
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in tqdm(DataLoader(sequences.with_format("torch"), batch_size=batch_size), desc=f"Held-out, {name}"):
+            input_ids = batch["input_ids"]
+            total += model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item() * len(input_ids)
+            count += len(input_ids)
+    return total / count
+
 
 DOCS_CORPUS_GLOB = "/usr/share/doc/python3*/html/_sources"  # Debian's python3-doc: the docs' reST sources as .txt
 SCRATCH_VARIANTS = {"prenorm": "PreNorm baseline", "block": "Block AttnRes", "full": "Full AttnRes"}
