@@ -310,13 +310,13 @@ def run_analyze(args: argparse.Namespace) -> int:
 
     from .conversion import load_source, resolve_source
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).to(args.device)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     input_ids = tokenizer(read_text(args), return_tensors="pt").input_ids[:, : args.tokens]
     baseline = None
     if args.baseline is not None:
         source, gguf_file = resolve_source(args.baseline, args.baseline_gguf_file)
-        baseline = load_source(source, gguf_file=gguf_file)
+        baseline = load_source(source, gguf_file=gguf_file).to(args.device)
     report = analyze(model, input_ids, args.output, baseline=baseline)
     mean_entropy = sum(report["entropy"]) / len(report["entropy"])
     print(f"Analysed {report['tokens']} tokens (mean depth-weight entropy {mean_entropy:.3f} nats); wrote")

@@ -2,8 +2,8 @@
 
 Parsing imports nothing heavy, so `attnres --help` and `attnres <command> --help` answer at once: each subcommand
 imports torch, transformers and the module that does its work only when it runs (`train` builds its options from
-`TrainingConfig` with transformers' `HfArgumentParser`, so it imports its module to parse). The options of the other
-subcommands are declared here and restate a few choices and defaults of the modules behind them; tests/test_cli.py
+`TrainingConfig` with transformers' `HfArgumentParser`, from a module that imports nothing else). The options of the
+other subcommands are declared here and restate a few choices and defaults of the modules behind them; tests/test_cli.py
 checks that they agree.
 
 Errors: a mistake the user can fix (a wrong path, a missing extra, a refused conversion, a full disk ...) is one line
@@ -36,7 +36,7 @@ DEMO_DEFAULTS = {"output": Path("attnres-demo"), "steps": 40, "eval_limit": 10, 
 # Errors whose message says what to fix, by (module, class): a module has been imported by the time it raises one.
 USER_ERRORS = (
     ("attnres.conversion", "ConversionError"),
-    ("attnres.training", "TrainingError"),
+    ("attnres.training_config", "TrainingError"),
     ("attnres.data", "DataError"),
     ("attnres.eval.harness", "EvalError"),
     ("attnres.hub", "HubUploadError"),
@@ -82,6 +82,12 @@ def add_offline_argument(parser: argparse.ArgumentParser, help_text: str) -> Non
 OFFLINE_HELP = "never use the network: Hub ids must be in the Hugging Face cache (as HF_HUB_OFFLINE=1)"
 
 
+def add_device_argument(parser: argparse.ArgumentParser, runs_there: str) -> None:
+    parser.add_argument(
+        "--device", default="cpu", help=f"cpu, cuda, cuda:1, mps ...: {runs_there} there (default: %(default)s)"
+    )
+
+
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source",
@@ -98,6 +104,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=CONVERT_DTYPES, default="float32", help="dtype of the converted weights (default: float32)"
     )
     parser.add_argument("--no-verify", action="store_true", help="skip comparing the converted model with the source")
+    add_device_argument(parser, "the verification runs")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT_DIR if it exists")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload OUTPUT_DIR to this Hub model repo")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default: 5GB)")
@@ -122,6 +129,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-field", default="text", help="dataset column holding the text (default: text)")
     parser.add_argument("--tokens", type=int, default=512, help="number of tokens to analyse (default: 512)")
     parser.add_argument("--output", type=Path, default=Path("analysis"), help="output folder (default: ./analysis)")
+    add_device_argument(parser, "the models run")
     add_offline_argument(parser, OFFLINE_HELP)
 
 
@@ -145,7 +153,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         default="float32",
         help="dtype to load the models in; auto: the checkpoint's own (default: %(default)s)",
     )
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps ... (default: %(default)s)")
+    add_device_argument(parser, "the models are evaluated")
     parser.add_argument(
         "--allow-code-execution",
         action="store_true",
@@ -209,6 +217,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace what an earlier demo wrote into OUTPUT (refused otherwise)"
+    )
+    add_device_argument(
+        parser, "conversion, analysis and evaluation run (training runs where Accelerate puts it: the GPU if any)"
     )
     parser.add_argument(
         "--source",
@@ -308,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def train_parser() -> argparse.ArgumentParser:
     """`attnres train`: one option per `TrainingConfig` field, by transformers' `HfArgumentParser`."""
-    from .training import train_argument_parser
+    from .training_config import train_argument_parser
 
     return train_argument_parser(
         prog="attnres train", description=COMMANDS["train"].description, parents=[common_options()]
@@ -345,6 +356,7 @@ def run_convert(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         overwrite=args.overwrite,
         max_shard_size=args.max_shard_size,
+        device=args.device,
     )
     print("Verification:\n" + report.format() if report is not None else "Verification skipped (--no-verify).")
     print(f"Saved to {args.output_dir}; load it with AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)")

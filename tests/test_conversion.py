@@ -327,7 +327,9 @@ def losing_the_block_closed_at_layer_2(model):
     """A block boundary that drops the block it closes (its sum never becomes a source)."""
     layer = model.model.layers[2]
     forward = layer.forward
-    layer.forward = lambda partial_sum, *completed, **kwargs: forward(torch.zeros_like(partial_sum), *completed, **kwargs)
+    layer.forward = lambda partial_sum, *completed, **kwargs: forward(
+        torch.zeros_like(partial_sum), *completed, **kwargs
+    )
 
 
 @pytest.mark.parametrize(
