@@ -12,6 +12,7 @@ and the KV cache are the source family's own modules, under the source checkpoin
 This file is copied next to the weights as remote code: it imports only torch, transformers and its configuration.
 """
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -134,14 +135,20 @@ class AttnResKeyNorm(nn.Module):
         return self.weight
 
 
-def fp32_region(like: torch.Tensor):
-    """Depth logits and softmax run in fp32 and values in their own dtype, whatever the surrounding autocast."""
-    return torch.autocast(like.device.type, enabled=False)
+def fp32_region(like: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Depth logits and softmax run in fp32 and values in their own dtype, whatever the surrounding autocast.
+
+    Without autocast there is nothing to switch off, and entering the context would cost a decode step more than one of
+    its ops."""
+    if torch.is_autocast_enabled(like.device.type):
+        return torch.autocast(like.device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def upcast(values: torch.Tensor) -> torch.Tensor:
     """fp32, or the values' own dtype where it is wider (float64 models stay float64 throughout)."""
-    return values.to(torch.promote_types(values.dtype, torch.float32))
+    wide = torch.promote_types(values.dtype, torch.float32)
+    return values if values.dtype == wide else values.to(wide)
 
 
 def inverse_rms(values: torch.Tensor, eps: float) -> torch.Tensor:
@@ -180,9 +187,9 @@ def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm]) -> t
 
 
 def score_completed(chunks: tuple[torch.Tensor, ...], inv_rms: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Phase 1: logits of the folded queries [q,d] against every completed source, each chunk read once. -> [B,T,q,n]"""
-    raw_scores = torch.cat([queries @ upcast(chunk).transpose(-1, -2) for chunk in chunks], dim=-1)  # [B,T,q,n]
-    return raw_scores * inv_rms.unsqueeze(-2)
+    """Phase 1: logits of the folded queries [q,d] against every completed source, each chunk read once. -> [B,T,n,q]"""
+    raw_scores = torch.cat([upcast(chunk) @ queries.T for chunk in chunks], dim=-2)  # [B,T,n,q]
+    return raw_scores * inv_rms.unsqueeze(-1)
 
 
 def merge_partial_sum(
@@ -237,7 +244,7 @@ def depth_attention(
             return depth_mix_reference(sources, pseudo_query(), key_norm(), key_norm.eps, scale)
         if phase_one is None:
             query = folded_queries((pseudo_query, key_norm))
-            phase_one = query[0], score_completed(chunks, inv_rms, query)[..., 0, :]
+            phase_one = query[0], score_completed(chunks, inv_rms, query)[..., 0]
         query, block_logits = phase_one
         return merge_partial_sum(block_logits, chunks, partial_sum, query, key_norm.eps, scale)
 
@@ -299,7 +306,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         if config.attnres_implementation == "two_phase":  # both pseudo-queries of this layer in one pass
             with fp32_region(inv_rms):
                 queries = folded_queries(attention_head, mlp_head)
-                block_logits = score_completed(chunks, inv_rms, queries).unbind(-2)
+                block_logits = score_completed(chunks, inv_rms, queries).unbind(-1)
             phase_one = list(zip(queries, block_logits, strict=True))
 
         # Attention sublayer
