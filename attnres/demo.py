@@ -180,7 +180,10 @@ def demo(
     }
     stages = [
         (
-            StageRun("Conversion, verified against the source", command_line("convert", source, folders["converted"])),
+            StageRun(
+                "Conversion, verified against the source",
+                command_line("convert", source, folders["converted"], device=device),
+            ),
             lambda: convert_stage(result, source_path, gguf_file, folders["converted"], device),
         ),
         (
@@ -194,7 +197,7 @@ def demo(
         (
             StageRun(
                 "Held-out loss; depth analysis, trained vs source",
-                command_line("analyze", folders["trained"], baseline=source, output=folders["analysis"]),
+                command_line("analyze", folders["trained"], baseline=source, output=folders["analysis"], device=device),
             ),
             lambda: held_out_and_analysis_stage(result, source_path, gguf_file, training_options, device),
         ),
