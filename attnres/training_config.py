@@ -10,9 +10,10 @@ from typing import Any
 
 from transformers.hf_argparser import HfArgumentParser
 
-# Restated so that this module imports nothing heavy; tests/test_cli.py checks that they agree.
-MODES = ("block", "full")  # configuration_attnres.MODES
-# accelerate's LoggerType values, less "all"
+from .cli import MODES  # the CLI's restatement of configuration_attnres.MODES, which imports nothing heavy
+
+# Restated so that this module imports nothing heavy (tests/test_cli.py checks it): accelerate's LoggerType values,
+# less "all"
 TRACKERS = ("aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
 # `--lr-scheduler` choices and the transformers schedule behind each
 SCHEDULERS = {"cosine": "cosine_with_min_lr", "wsd": "warmup_stable_decay", "constant": "constant_with_warmup"}
