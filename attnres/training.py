@@ -423,7 +423,7 @@ class TrainingResult:
     output_dir: Path
     step: int  # optimizer steps done
     metrics: dict[str, Any]  # the latest of each figure logged: loss, eval_loss, depth_weight_entropy, ...
-    interrupted: bool  # stopped by SIGTERM: a checkpoint was saved, nothing exported; resume with --resume
+    interrupted: bool  # stopped by SIGTERM or --stop-at-step: a checkpoint was saved, nothing exported; --resume
     model: nn.Module  # the trained model on this process (a PeftModel with --train lora)
 
 
@@ -683,6 +683,7 @@ def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tu
             interval_seconds += time.perf_counter() - step_start
             interval_losses.append(loss)
             progress.step += 1
+            interrupted = interrupted or progress.step == config.stop_at_step
             progress.tokens += tokens_per_step
             tokens_per_second = len(interval_losses) * tokens_per_step / interval_seconds
             bar.update()
@@ -709,7 +710,8 @@ def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tu
                 checkpoint = checkpoints.save(progress.step)
                 logger.info(f"Saved {checkpoint}")
     if interrupted:
-        logger.info(f"Stopped by SIGTERM at step {progress.step}")
+        reason = "--stop-at-step" if progress.step == config.stop_at_step else "SIGTERM"
+        logger.info(f"Stopped at step {progress.step} ({reason})")
     return latest, interrupted
 
 

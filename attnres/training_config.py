@@ -135,6 +135,14 @@ class TrainingConfig:
     eval_every: int = field(default=200, metadata={"help": "steps between held-out evaluations"})
     save_every: int = field(default=500, metadata={"help": "steps between checkpoints"})
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept (the most recent ones)"})
+    stop_at_step: int | None = field(
+        default=None,
+        metadata={
+            "help": "pause after this step with a checkpoint saved, as SIGTERM does (the schedule still runs to "
+            "--max-steps): split a run into sessions, continued with --resume",
+            "metavar": "STEP",
+        },
+    )
     resume: bool = field(
         default=False, metadata={"help": "continue from the latest checkpoint in OUTPUT_DIR (or start, if none)"}
     )
@@ -156,6 +164,10 @@ class TrainingConfig:
         for name, minimum in minimums.items():
             if getattr(self, name) < minimum:
                 raise TrainingError(f"--{name.replace('_', '-')} must be at least {minimum}, got {getattr(self, name)}")
+        if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
+            raise TrainingError(
+                f"--stop-at-step must be between 1 and --max-steps ({self.max_steps}), got {self.stop_at_step}"
+            )
         if self.eval_size <= 0:
             raise TrainingError(f"--eval-size must be positive, got {self.eval_size}")
         if self.merge_lora and self.train != "lora":

