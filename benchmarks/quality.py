@@ -503,9 +503,12 @@ def write_json(path: Path, data: Any) -> None:
 def run_all(setting: Setting, chosen: list[RunSpec], runs: dict[str, RunSpec]) -> int:
     pending = [run for run in chosen if not result_path(setting, run).is_file()]
     logger.info("%d of %d runs to do; results in %s", len(pending), len(chosen), setting.results)
-    skipped = [run.id for run in pending if not complete(setting, run, runs)]
-    if skipped:
-        logger.info("Left to the processes that hold them: %s", ", ".join(skipped))
+    while pending:  # again while runs that waited for another process's parent can now go
+        waiting = [run for run in pending if not complete(setting, run, runs)]
+        if len(waiting) == len(pending):
+            logger.info("Left to the processes that hold them: %s", ", ".join(run.id for run in waiting))
+            break
+        pending = waiting
     return 0
 
 
