@@ -559,6 +559,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reproduce", type=Path, metavar="RUN.json", help="re-run this run up to --reproduce-tokens")
     parser.add_argument("--reproduce-tokens", type=int, metavar="N", help="training tokens to reproduce")
     parser.add_argument("--report", action="store_true", help="write docs/quality.md's tables and plots from --results")
+    parser.add_argument("--docs", type=Path, default=REPOSITORY / "docs", help="folder of quality.md, with --report")
     return parser.parse_args(argv)
 
 
@@ -571,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         import quality_report  # the tables and plots; matplotlib only here
 
-        return quality_report.main(args.results, args.smoke)
+        expected = {study: sum(run.study == study for run in runs.values()) for study in STUDIES}
+        return quality_report.main(args.results, args.docs, expected)
     chosen = select(list(runs.values()), args.only)
     if args.list:
         for run in chosen:
