@@ -78,6 +78,11 @@ class AttnResConfig(PreTrainedConfig):
             cancels that scale except for its epsilon (`RMSNorm(h/k)` uses `eps*k^2`). Rescaling restores the stream
             exactly, so converted checkpoints reproduce their source bit for bit up to float rounding. Converted models
             turn it on; models trained from scratch can stay paper-literal (`False`).
+        attnres_recompute (`bool`, defaults to `False`):
+            The depth mix never keeps its intermediates for the backward pass (it recomputes them); with this on, it
+            does not keep its output either, and recomputes the sublayer's input norm with it, so that a layer keeps
+            what the source's layer keeps. Read at every forward, like `use_cache`: setting it on a loaded model's
+            config takes effect.
     """
 
     model_type = "attnres"
@@ -90,6 +95,7 @@ class AttnResConfig(PreTrainedConfig):
     attnres_eps: float | None = None
     attnres_implementation: str = "two_phase"
     attnres_scale_by_num_sources: bool = False
+    attnres_recompute: bool = False
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):

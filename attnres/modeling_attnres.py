@@ -14,11 +14,14 @@ This file is copied next to the weights as remote code: it imports only torch, t
 
 import contextlib
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
@@ -92,15 +95,9 @@ def attention_layer_types(text_config) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Depth attention: the math. Shapes: B batch, T tokens, n completed sources, k sources in one chunk, q queries,
-# S sources of one sublayer, d hidden size. Plain tensor ops: PyTorch differentiates and compiles them.
+# Depth attention: the math. Shapes: B batch, T tokens, n completed sources, q queries, S sources of one sublayer,
+# d hidden size. Plain tensor ops: PyTorch differentiates and compiles them.
 # --------------------------------------------------------------------------------------------------------------------
-
-# The completed sources travel between layers as stacked chunks [B,T,k,d]: a sublayer reads a chunk in one product
-# instead of one pass per source. Closing a source re-stacks the last chunk (autograd keeps each version its readers
-# saw), so a chunk holds at most this many sources: Block AttnRes's ~9 sources fill 3 chunks, Full's 2L+1 stay at
-# O(n) memory (2.5 copies per source) rather than O(n^2).
-SOURCES_PER_CHUNK = 4
 
 
 class AttnResPseudoQuery(nn.Module):
@@ -171,14 +168,11 @@ def depth_mix_reference(
 
 
 def close_source(
-    chunks: tuple[torch.Tensor, ...], inv_rms: torch.Tensor, source: torch.Tensor, eps: float
+    completed: tuple[torch.Tensor, ...], inv_rms: torch.Tensor, source: torch.Tensor, eps: float
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Append a finished source [B,T,d] to the completed chunks [B,T,k,d] and their inverse RMS [B,T,n]."""
-    source_inv_rms = inverse_rms(source, eps).unsqueeze(-1)  # a source's RMS is computed once, when it closes
-    inv_rms = torch.cat([inv_rms, source_inv_rms], dim=-1)
-    if chunks and chunks[-1].shape[-2] < SOURCES_PER_CHUNK:
-        return chunks[:-1] + (torch.cat([chunks[-1], source.unsqueeze(-2)], dim=-2),), inv_rms
-    return chunks + (source.unsqueeze(-2),), inv_rms
+    """Add a finished source [B,T,d] to the completed ones (kept as they are: every later layer reads the same tensor)
+    and its inverse RMS to theirs [B,T,n], computed once, when it closes."""
+    return completed + (source,), torch.cat([inv_rms, inverse_rms(source, eps).unsqueeze(-1)], dim=-1)
 
 
 def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm]) -> torch.Tensor:
@@ -186,15 +180,14 @@ def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm]) -> t
     return torch.stack([upcast(pseudo_query()) * upcast(key_norm()) for pseudo_query, key_norm in depth_heads])
 
 
-def score_completed(chunks: tuple[torch.Tensor, ...], inv_rms: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Phase 1: logits of the folded queries [q,d] against every completed source, each chunk read once. -> [B,T,n,q]"""
-    raw_scores = torch.cat([upcast(chunk) @ queries.T for chunk in chunks], dim=-2)  # [B,T,n,q]
-    return raw_scores * inv_rms.unsqueeze(-1)
+def score_completed(stacked: torch.Tensor, inv_rms: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Phase 1: logits of the folded queries [q,d] against the completed sources [B,T,n,d], read once. -> [B,T,n,q]"""
+    return (upcast(stacked) @ queries.T) * inv_rms.unsqueeze(-1)
 
 
 def merge_partial_sum(
     block_logits: torch.Tensor,
-    chunks: tuple[torch.Tensor, ...],
+    stacked: torch.Tensor,
     partial_sum: torch.Tensor | None,
     query: torch.Tensor,
     eps: float,
@@ -203,7 +196,7 @@ def merge_partial_sum(
     """Phase 2: the partial sum [B,T,d] joins the softmax over the completed sources' logits [B,T,n].
 
     One softmax over n + 1 logits equals the paper's online-softmax merge of the two groups; the mixture is then one
-    weighted read per chunk plus the partial sum. -> mixed input [B,T,d], depth weights [B,T,S]
+    weighted read of the completed sources [B,T,n,d] plus the partial sum. -> mixed input [B,T,d], depth weights [B,T,S]
     """
     logits = block_logits
     if partial_sum is not None:
@@ -212,41 +205,64 @@ def merge_partial_sum(
     weights = logits.softmax(-1)  # [B,T,S]
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
     value_weights = weights * weights.shape[-1] if scale_by_num_sources else weights
-    mixed, start = None, 0
-    for chunk in chunks:
-        chunk_weights = value_weights[..., None, start : start + chunk.shape[-2]].to(chunk.dtype)  # [B,T,1,k]
-        chunk_read = (chunk_weights @ chunk).squeeze(-2)  # [B,T,d]
-        mixed, start = chunk_read if mixed is None else mixed + chunk_read, start + chunk.shape[-2]
+    num_completed = stacked.shape[-2]
+    mixed = (value_weights[..., None, :num_completed].to(stacked.dtype) @ stacked).squeeze(-2)  # [B,T,d]
     if partial_sum is not None:
-        partial_weight = value_weights[..., start:].to(partial_sum.dtype)  # [B,T,1]
-        mixed = partial_weight * partial_sum if mixed is None else torch.addcmul(mixed, partial_weight, partial_sum)
+        partial_weight = value_weights[..., num_completed:].to(partial_sum.dtype)  # [B,T,1]
+        mixed = torch.addcmul(mixed, partial_weight, partial_sum)
     return mixed, weights
+
+
+def recomputed(function: Callable[..., tuple], *inputs: torch.Tensor | None) -> tuple:
+    """`function(*inputs)`, whose intermediates autograd does not keep but recomputes in the backward pass.
+
+    The depth mix is cheap to run and costly to keep: its stacked sources [B,T,n,d] (in fp32 for the logits), kept for
+    every sublayer, would outweigh the layer itself. A non-reentrant checkpoint keeps only the inputs, which are the
+    depth state the layers share anyway; it nests under gradient checkpointing and compiles as one region.
+    """
+    if torch.is_grad_enabled():
+        return checkpoint(function, *inputs, use_reentrant=False)
+    return function(*inputs)
 
 
 def depth_attention(
     config: AttnResConfig,
-    chunks: tuple[torch.Tensor, ...],
+    completed: tuple[torch.Tensor, ...],
     inv_rms: torch.Tensor,
     partial_sum: torch.Tensor | None,
-    pseudo_query: AttnResPseudoQuery,
-    key_norm: AttnResKeyNorm,
-    phase_one: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The input of one sublayer: its sources are the completed ones, then the partial sum if there is one.
+    depth_heads: tuple[tuple[AttnResPseudoQuery, AttnResKeyNorm], ...],
+    input_norm: Callable[[torch.Tensor], torch.Tensor],
+    block_logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The (normalised) input of one sublayer: its sources are the completed ones [n x [B,T,d]], then the partial sum.
 
-    `phase_one`: this sublayer's folded query [d] and block logits [B,T,n] when its layer already scored them.
-    -> mixed input [B,T,d], depth weights [B,T,S] fp32
+    `depth_heads`: this sublayer's (pseudo-query, key norm), then those of later sublayers that read the same completed
+    sources (the layer's MLP), scored in the same product. `block_logits` [B,T,n]: this sublayer's completed-source
+    logits when an earlier call scored them. `input_norm` runs inside the recomputed region when
+    `config.attnres_recompute` (the mix output is then not kept either), after it otherwise.
+    -> sublayer input [B,T,d], depth weights [B,T,S] fp32, completed-source logits of the later heads [B,T,n,q-1]
     """
-    scale = config.attnres_scale_by_num_sources
-    with fp32_region(inv_rms):
-        if config.attnres_implementation == "naive":
-            sources = torch.cat(chunks + (() if partial_sum is None else (partial_sum.unsqueeze(-2),)), dim=-2)
-            return depth_mix_reference(sources, pseudo_query(), key_norm(), key_norm.eps, scale)
-        if phase_one is None:
-            query = folded_queries((pseudo_query, key_norm))
-            phase_one = query[0], score_completed(chunks, inv_rms, query)[..., 0]
-        query, block_logits = phase_one
-        return merge_partial_sum(block_logits, chunks, partial_sum, query, key_norm.eps, scale)
+    pseudo_query, key_norm = depth_heads[0]
+    eps, scale = key_norm.eps, config.attnres_scale_by_num_sources
+    if config.attnres_implementation == "naive":
+        sources = torch.stack(completed + (() if partial_sum is None else (partial_sum,)), dim=-2)
+        mixed, weights = depth_mix_reference(sources, pseudo_query(), key_norm(), eps, scale)
+        return input_norm(mixed), weights, None
+    queries = folded_queries(*depth_heads)  # the parameters are read here, in the module calls, for hooks to see
+    norm_inside = config.attnres_recompute
+
+    def mix(queries, block_logits, partial_sum, inv_rms, *completed):
+        with fp32_region(inv_rms):
+            stacked = torch.stack(completed, dim=-2)  # [B,T,n,d]
+            later_logits = None
+            if block_logits is None:
+                all_logits = score_completed(stacked, inv_rms, queries)  # [B,T,n,q]
+                block_logits, later_logits = all_logits[..., 0], all_logits[..., 1:]
+            mixed, weights = merge_partial_sum(block_logits, stacked, partial_sum, queries[0], eps, scale)
+        return (input_norm(mixed) if norm_inside else mixed), weights, later_logits
+
+    sublayer_input, weights, later_logits = recomputed(mix, queries, block_logits, partial_sum, inv_rms, *completed)
+    return (sublayer_input if norm_inside else input_norm(sublayer_input)), weights, later_logits
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -259,8 +275,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
 
     The depth state between layers, all tensors in the call arguments: `partial_sum` [B,T,d], the running sum of the
     current block (before layer 0: the embedding, which layer 0 moves into the completed sources); `completed_inv_rms`
-    [B,T,n] and `*completed_chunks` [B,T,k,d], the finished sources (b_0 = embedding, then one sum per finished block;
-    in Full mode every sublayer output) stacked in chunks.
+    [B,T,n] and `*completed_sources` [B,T,d] each, the finished sources (b_0 = embedding, then one sum per finished
+    block; in Full mode every sublayer output), each kept once and read by every later layer.
     """
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
@@ -287,34 +303,28 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self,
         partial_sum: torch.Tensor,
         completed_inv_rms: torch.Tensor,
-        *completed_chunks: torch.Tensor,
+        *completed_sources: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, ...]:
-        """-> (partial_sum, attention depth weights, MLP depth weights, completed_inv_rms, *completed_chunks)"""
+        """-> (partial_sum, attention depth weights, MLP depth weights, completed_inv_rms, *completed_sources)"""
         config, family, eps = self.config, self.family, self.config.attnres_eps
-        chunks, inv_rms = completed_chunks, completed_inv_rms
+        completed, inv_rms = completed_sources, completed_inv_rms
         if self.attention_starts_block:
-            chunks, inv_rms = close_source(chunks, inv_rms, partial_sum, eps)
+            completed, inv_rms = close_source(completed, inv_rms, partial_sum, eps)
             partial_sum = None
-
         attention_head = (self.self_attention_res_proj, self.self_attention_res_norm)
         mlp_head = (self.mlp_res_proj, self.mlp_res_norm)
-        phase_one = [None, None]
-        if config.attnres_implementation == "two_phase":  # both pseudo-queries of this layer in one pass
-            with fp32_region(inv_rms):
-                queries = folded_queries(attention_head, mlp_head)
-                block_logits = score_completed(chunks, inv_rms, queries).unbind(-1)
-            phase_one = list(zip(queries, block_logits, strict=True))
 
-        # Attention sublayer
-        attention_input, attention_depth_weights = depth_attention(
-            config, chunks, inv_rms, partial_sum, *attention_head, phase_one[0]
-        )
+        # Attention sublayer; both sublayers read the same completed sources, scored for both in one product
+        attention_input, attention_depth_weights, mlp_block_logits = depth_attention(
+            config, completed, inv_rms, partial_sum, (attention_head, mlp_head),
+            partial(self._norm, family.attention_input_norm),
+        )  # fmt: skip
         attention_output, _ = self.self_attn(
-            hidden_states=self._norm(family.attention_input_norm, attention_input),
+            hidden_states=attention_input,
             attention_mask=attention_mask,
             position_embeddings=position_embeddings,
             cache=cache,
@@ -324,15 +334,17 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         partial_sum = attention_output if partial_sum is None else partial_sum + attention_output
 
         # MLP sublayer: in Full mode it still reads the attention output as its partial sum, which closes after it
-        mlp_input, mlp_depth_weights = depth_attention(config, chunks, inv_rms, partial_sum, *mlp_head, phase_one[1])
+        mlp_input, mlp_depth_weights, _ = depth_attention(
+            config, completed, inv_rms, partial_sum, (mlp_head,), partial(self._norm, family.mlp_input_norm),
+            None if mlp_block_logits is None else mlp_block_logits[..., 0],
+        )  # fmt: skip
         if self.mlp_starts_block:
-            chunks, inv_rms = close_source(chunks, inv_rms, partial_sum, eps)
+            completed, inv_rms = close_source(completed, inv_rms, partial_sum, eps)
             partial_sum = None
-        mlp_output = self.mlp(self._norm(family.mlp_input_norm, mlp_input))
-        mlp_output = self._norm(family.mlp_output_norm, mlp_output)
+        mlp_output = self._norm(family.mlp_output_norm, self.mlp(mlp_input))
         partial_sum = mlp_output if partial_sum is None else partial_sum + mlp_output
 
-        return partial_sum, attention_depth_weights, mlp_depth_weights, inv_rms, *chunks
+        return partial_sum, attention_depth_weights, mlp_depth_weights, inv_rms, *completed
 
 
 @dataclass
@@ -483,13 +495,13 @@ class AttnResModel(AttnResPreTrainedModel):
 
         partial_sum = inputs_embeds  # layer 0 starts the first block: the embedding becomes b_0
         completed_inv_rms = inputs_embeds.new_empty(*inputs_embeds.shape[:-1], 0, dtype=torch.float32)  # [B,T,0]
-        completed_chunks = ()
+        completed_sources = ()
         depth_weights = []
         for decoder_layer, layer_type in zip(self.layers, layer_types, strict=True):
-            partial_sum, attention_weights, mlp_weights, completed_inv_rms, *completed_chunks = decoder_layer(
+            partial_sum, attention_weights, mlp_weights, completed_inv_rms, *completed_sources = decoder_layer(
                 partial_sum,
                 completed_inv_rms,
-                *completed_chunks,
+                *completed_sources,
                 attention_mask=attention_masks[layer_type],
                 position_embeddings=position_embeddings[layer_type],
                 position_ids=position_ids,
@@ -498,11 +510,10 @@ class AttnResModel(AttnResPreTrainedModel):
             )
             depth_weights += [attention_weights, mlp_weights]
 
-        hidden_states, output_depth_weight = depth_attention(
-            self.config, tuple(completed_chunks), completed_inv_rms, partial_sum, self.output_attn_res_proj,
-            self.output_attn_res_norm,
-        )  # fmt: skip
-        hidden_states = self.norm(hidden_states)
+        output_head = (self.output_attn_res_proj, self.output_attn_res_norm)
+        hidden_states, output_depth_weight, _ = depth_attention(
+            self.config, tuple(completed_sources), completed_inv_rms, partial_sum, (output_head,), self.norm
+        )
         return AttnResModelOutputWithPast(
             last_hidden_state=hidden_states,
             cache=cache,

@@ -8,9 +8,11 @@ decode uses the static cache with a compiled forward; the compile time (the firs
     python benchmarks/overhead.py                      # converted SmolLM2-135M and a tiny random model, Block and Full
     python benchmarks/overhead.py --models tiny --worlds eager --json overhead.json
     python benchmarks/overhead.py --device cuda --dtype bfloat16
+    python benchmarks/overhead.py --saved-memory       # bytes kept for the backward pass: bf16, autocast, fp32
 """
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import ctypes.util
@@ -203,6 +205,71 @@ def benchmark_row(name: str, mode: str, world: str, args: argparse.Namespace) ->
     return row
 
 
+# Saved activations: the bytes autograd keeps for the backward pass, counted through saved_tensors_hooks (distinct
+# storages, parameters excluded). They depend on shapes and dtypes only, not on the device or the machine's load.
+PRECISIONS = {  # name -> (weights dtype, bf16 autocast)
+    "bf16 weights": (torch.bfloat16, False),
+    "fp32 weights, bf16 autocast": (torch.float32, True),
+    "fp32": (torch.float32, False),
+}
+MEMORY_SETTINGS = ("plain", "gradient checkpointing", "gradient checkpointing (reentrant)", "attnres_recompute")
+
+
+def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, autocast: bool) -> int:
+    """Bytes of the distinct non-parameter tensors that autograd saves in one training forward of `model`."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    precision = torch.autocast(input_ids.device.type, torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), precision:
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    return sum(saved.values())
+
+
+def saved_memory_ratio(
+    num_layers: int, mode: str, precision: str, setting: str, tokens: tuple[int, int] = (2, 256), device: str = "cpu"
+) -> float:
+    """AttnRes / source saved activation bytes, Llama-shaped d=256, FFN 512, sdpa, `tokens` = (batch, length)."""
+    config = AutoConfig.for_model(
+        "llama", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=4, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(config)
+    twin = convert_to_attnres(copy.deepcopy(source), mode=mode)
+    twin.config.attnres_recompute = setting == "attnres_recompute"
+    dtype, autocast = PRECISIONS[precision]
+    ids = torch.randint(0, config.vocab_size, tokens, generator=torch.Generator().manual_seed(0)).to(device)
+    measured = []
+    for model in (twin, source):
+        model.to(device, dtype).train()
+        if setting.startswith("gradient checkpointing"):
+            reentrant = setting.endswith("(reentrant)")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        measured.append(saved_activation_bytes(model, ids, autocast))
+    return measured[0] / measured[1]
+
+
+def saved_memory_table(setting: str, layers: tuple[int, ...] = (8, 32), device: str = "cpu") -> str:
+    columns = [(mode, n) for mode in ("block", "full") for n in layers]
+    lines = [
+        f"Saved activations, AttnRes / source, {setting}:",
+        "| precision | " + " | ".join(f"{mode.capitalize()}, {n} layers" for mode, n in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for precision in PRECISIONS:
+        ratios = [saved_memory_ratio(n, mode, precision, setting, device=device) for mode, n in columns]
+        lines.append(f"| {precision} | " + " | ".join(f"{ratio:.3f}" for ratio in ratios) + " |")
+    return "\n".join(lines)
+
+
 def environment(args: argparse.Namespace) -> dict:
     return {
         "machine": platform.platform(),
@@ -251,6 +318,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument(
+        "--saved-memory",
+        action="store_true",
+        help="print only the saved-activation tables (plain, gradient checkpointing, attnres_recompute; 8 and 32 "
+        "layers; bf16, fp32 under bf16 autocast, fp32): deterministic bytes, minutes on a CPU",
+    )
+    parser.add_argument(
         "--system-malloc", action="store_true", help="time with glibc's default malloc, which returns freed memory"
     )
     args = parser.parse_args(argv)
@@ -260,6 +333,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--warmup: at least 1 (the first call is reported apart)")
     args.malloc = "system" if args.system_malloc or not keep_freed_memory() else "keeps freed memory"
     transformers.logging.set_verbosity_error()
+    if args.saved_memory:
+        for setting in MEMORY_SETTINGS:
+            print(saved_memory_table(setting, device=args.device) + "\n", flush=True)
+        return
     rows = []
     for name in args.models.split(","):
         for mode in args.modes.split(","):

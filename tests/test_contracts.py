@@ -3,16 +3,12 @@ torch.compile (fullgraph, static-cache decoding) and Accelerate's offloading dev
 
 import pytest
 import torch
-from tiny import VOCAB, attnres_twin, tiny_source_model
+from tiny import attnres_twin, random_ids, tiny_source_model
 from transformers import AutoModelForCausalLM
 
 from attnres.modeling_attnres import AttnResKeyNorm, AttnResPseudoQuery, depth_attention
 
 MODES = ["block", "full"]
-
-
-def random_ids(batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def small_model(mode: str, num_layers: int = 4, family: str = "llama"):
@@ -110,8 +106,8 @@ def test_depth_logits_and_softmax_stay_fp32_under_autocast(implementation):
     model = small_model("block")
     model.config.attnres_implementation = implementation
     generator = torch.Generator().manual_seed(0)
-    chunks = (torch.randn(2, 5, 3, 64, generator=generator) * 4,)  # three completed sources
-    inv_rms = torch.rsqrt(chunks[0].square().mean(-1) + 1e-6)
+    completed = tuple(torch.randn(2, 5, 64, generator=generator) * 4 for _ in range(3))
+    inv_rms = torch.rsqrt(torch.stack(completed, -2).square().mean(-1) + 1e-6)
     partial_sum = torch.randn(2, 5, 64, generator=generator) * 4
     pseudo_query, key_norm = AttnResPseudoQuery(64), AttnResKeyNorm(64, 1e-6)
     with torch.no_grad():
@@ -119,7 +115,8 @@ def test_depth_logits_and_softmax_stay_fp32_under_autocast(implementation):
         key_norm.weight.uniform_(0.5, 1.5, generator=generator)
 
     def depth_weights():
-        return depth_attention(model.config, chunks, inv_rms, partial_sum, pseudo_query, key_norm)[1]
+        heads = ((pseudo_query, key_norm),)
+        return depth_attention(model.config, completed, inv_rms, partial_sum, heads, lambda mixed: mixed)[1]
 
     plain = depth_weights()
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -1,23 +1,24 @@
 """The AttnRes model pair: exactness against the source, the fast path against the reference, and the transformers
 features users rely on (cache, padding, loss, checkpointing, save/load as remote code)."""
 
+import copy
 import json
 import os
 import shutil
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 from tiny import FAMILIES, VOCAB, attnres_twin, tiny_source_config, tiny_source_model
+from tiny import random_ids as tiny_random_ids
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
 import attnres
 from attnres.configuration_attnres import SUPPORTED_FAMILIES
 
-
-def random_ids(batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+random_ids = partial(tiny_random_ids, length=24)  # this file's sequence length
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -82,13 +83,20 @@ def depth_and_logit_gradients(model, ids, implementation: str) -> dict[str, torc
 
 @pytest.mark.parametrize("mode", ["block", "full"])
 def test_gradients_through_depth_weights_match_direct(mode):
+    """Both implementations' fp32 gradients are as close to the direct computation's in float64 as float noise allows:
+    the fast one no further than the direct one in fp32 (Full's 13 sources put that noise near 3e-5 of the scale)."""
     model = attnres_twin(tiny_source_model("llama", num_layers=4), seed=2, attnres_mode=mode, attnres_block_size=2)
     ids = random_ids()
     naive, fast = (depth_and_logit_gradients(model.train(), ids, impl) for impl in ("naive", "two_phase"))
-    assert naive.keys() == fast.keys() and any("_res_proj" in name for name in naive)
-    for name in naive:
-        scale = max(1.0, naive[name].abs().max().item())
-        assert (naive[name] - fast[name]).abs().max().item() <= 1e-5 * scale, name
+    exact = depth_and_logit_gradients(copy.deepcopy(model).double(), ids, "naive")
+    assert naive.keys() == fast.keys() == exact.keys() and any("_res_proj" in name for name in naive)
+
+    def error(grads: dict[str, torch.Tensor]) -> float:
+        return max((grads[n] - exact[n]).abs().max().item() / max(1.0, exact[n].abs().max().item()) for n in exact)
+
+    print(f"{mode}: gradient error relative to float64, naive {error(naive):.2e}, two-phase {error(fast):.2e}")
+    assert error(fast) <= 1.25 * error(naive) + 1e-6
+    assert error(naive) <= 1e-4  # float noise, not a wrong gradient
 
 
 @pytest.mark.parametrize("mode", ["block", "full"])

@@ -1,15 +1,16 @@
 """Stock-model parity: what users of any transformers model (and PEFT) rely on works the same on AttnRes."""
 
+from functools import partial
+
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from tiny import VOCAB, attnres_twin, tiny_source_config, tiny_source_model
+from tiny import attnres_twin, tiny_source_config, tiny_source_model
+from tiny import random_ids as tiny_random_ids
 
 import attnres
 
-
-def random_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+random_ids = partial(tiny_random_ids, length=12)  # this file's sequence length
 
 
 def test_past_key_values_is_the_deprecated_alias_of_cache():

@@ -53,6 +53,11 @@ TINY_RUN = dict(
 )
 
 
+def random_ids(batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
+    """Token ids of the tiny vocabulary, past its special tokens, the same for the same arguments."""
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
 def tiny_source_config(family: str, num_layers: int = 5, **overrides):
     kwargs = {**COMMON, **FAMILY_OVERRIDES[family], "num_hidden_layers": num_layers, **overrides}
     if family == "gemma3_text":  # alternate sliding and full attention layers
