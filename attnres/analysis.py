@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .configuration_attnres import AttnResConfig
+from .folders import check_output_dir
 from .modeling_attnres import FAMILIES, AttnResForCausalLM
 
 if TYPE_CHECKING:  # matplotlib is the `plots` extra: imported where a picture is drawn (training needs only entropies)
@@ -308,15 +309,18 @@ def read_text(args: argparse.Namespace) -> str:
 def run_analyze(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .conversion import load_source, resolve_source
+    from .conversion import check_tokenizer, load_source, resolve_source
 
+    source, gguf_file = None, None
+    if args.baseline is not None:
+        source, gguf_file = resolve_source(args.baseline, args.baseline_gguf_file)
+    check_tokenizer(args.model)  # its tokenizer encodes the text for both models: the baseline needs none
+    inputs = {"the model": args.model, "the baseline": source, "the text": args.text, "the dataset": args.dataset}
+    check_output_dir(args.output, AnalysisError, inputs, None)  # its files go beside what is there, as on a rerun
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).to(args.device)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     input_ids = tokenizer(read_text(args), return_tensors="pt").input_ids[:, : args.tokens]
-    baseline = None
-    if args.baseline is not None:
-        source, gguf_file = resolve_source(args.baseline, args.baseline_gguf_file)
-        baseline = load_source(source, gguf_file=gguf_file).to(args.device)
+    baseline = load_source(source, gguf_file=gguf_file).to(args.device) if source is not None else None
     report = analyze(model, input_ids, args.output, baseline=baseline)
     mean_entropy = sum(report["entropy"]) / len(report["entropy"])
     print(f"Analysed {report['tokens']} tokens (mean depth-weight entropy {mean_entropy:.3f} nats); wrote")

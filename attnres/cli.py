@@ -8,7 +8,7 @@ checks that they agree.
 
 Errors: a mistake the user can fix (a wrong path, a missing extra, a refused conversion, a full disk ...) is one line
 on stderr and exit status 1; anything else is a bug and shows its traceback. `--debug` (or ATTNRES_DEBUG=1) shows
-tracebacks for all.
+tracebacks for all, and the notices of other libraries that are not about the command, hidden otherwise.
 """
 
 import argparse
@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import __version__
 
 # Restated from the modules that use them (checked by tests/test_cli.py): importing those would import torch.
 MODES = ("block", "full")  # configuration_attnres.MODES
@@ -57,6 +59,14 @@ EXTRAS = {
     "tensorboard": "tensorboard",
 }
 DEBUG_VARIABLE = "ATTNRES_DEBUG"
+# (logger, words of the message) of notices that other libraries give whatever the command, hidden unless --debug:
+# DeepSpeed's (imported by Accelerate and transformers whenever it is installed) on every machine without a GPU, and
+# lm-eval's advice on what its own command line does with a model object and with task arguments
+HIDDEN_NOTICES = (
+    ("DeepSpeed", "Setting accelerator to CPU"),
+    ("lm_eval.models.huggingface", "Passed an already-initialized model through `pretrained`"),
+    ("lm_eval.api.task", "Custom kwargs can be passed to `--metadata` in console"),
+)
 
 
 @dataclass
@@ -307,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     """`attnres` with every command; `train` only by name here (its options: `train_parser`)."""
     common = common_options()
     parser = argparse.ArgumentParser(prog="attnres", description=__doc__.split("\n\n")[0], parents=[common])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         if command.add_arguments is None:  # its own parser reads the options, and answers --help
@@ -342,7 +353,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from .conversion import DTYPES, convert_checkpoint, resolve_source
+    from .conversion import DTYPES, convert_checkpoint, has_tokenizer, resolve_source
     from .hub import push_folder
 
     source, gguf_file = resolve_source(args.source, args.gguf_file, offline=args.offline)
@@ -360,6 +371,8 @@ def run_convert(args: argparse.Namespace) -> int:
     )
     print("Verification:\n" + report.format() if report is not None else "Verification skipped (--no-verify).")
     print(f"Saved to {args.output_dir}; load it with AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)")
+    if not has_tokenizer(args.output_dir):
+        print("It has no tokenizer, as its source had none: copy the source model's tokenizer files into it for text.")
     if args.push_to_hub:
         print(f"Uploaded: {push_folder(args.output_dir, args.push_to_hub, 'Upload AttnRes model')}")
     return 0
@@ -379,22 +392,34 @@ def check_models(command: Command, args: argparse.Namespace) -> None:
 
 
 @contextmanager
-def stage_messages() -> Iterator[None]:
-    """Show the package's progress messages (stage by stage) on stderr while a command runs."""
+def stage_messages(debug: bool) -> Iterator[None]:
+    """Show the package's progress messages (stage by stage) on stderr while a command runs; with `debug` its debug
+    messages too, and the notices of other libraries that it hides otherwise (`HIDDEN_NOTICES`, lm-eval's git probe
+    in `attnres.eval.harness`)."""
     package_logger = logging.getLogger("attnres")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     previous_level = package_logger.level
     package_logger.addHandler(handler)
-    package_logger.setLevel(logging.INFO)
+    package_logger.setLevel(logging.DEBUG if debug else logging.INFO)
+    notice_filters = [] if debug else [(logging.getLogger(name), hiding(words)) for name, words in HIDDEN_NOTICES]
+    for logger, notice_filter in notice_filters:
+        logger.addFilter(notice_filter)  # a logger keeps its filters when its library, imported later, sets it up
     try:
         yield
     finally:
         package_logger.removeHandler(handler)
         package_logger.setLevel(previous_level)
+        for logger, notice_filter in notice_filters:
+            logger.removeFilter(notice_filter)
 
 
-def run(args: argparse.Namespace) -> int:
+def hiding(words: str) -> Callable[[logging.LogRecord], bool]:
+    """A logging filter that drops the messages that contain `words`."""
+    return lambda record: words not in record.getMessage()
+
+
+def run(args: argparse.Namespace, debug: bool) -> int:
     from .conversion import offline_mode
 
     command = COMMANDS[args.command]
@@ -402,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise ModuleNotFoundError(f"No module named {missing[0]!r}", name=missing[0])
     module_name, function_name = command.run.split(":")
-    with stage_messages(), offline_mode(bool(getattr(args, "offline", False))):
+    with stage_messages(debug), offline_mode(bool(getattr(args, "offline", False))):
         run_command = getattr(importlib.import_module(module_name), function_name)
         check_models(command, args)
         return run_command(args)
@@ -427,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     name = build_parser().parse_known_args(argv)[0].command  # parsing `train` imports its module: errors below
     debug = "--debug" in argv or os.environ.get(DEBUG_VARIABLE, "").lower() in {"1", "true", "yes", "on"}
     try:
-        return run(parse_args(argv))
+        return run(parse_args(argv), debug)
     except KeyboardInterrupt:
         print(f"attnres {name}: interrupted", file=sys.stderr)
         return 130

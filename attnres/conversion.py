@@ -90,6 +90,9 @@ def default_model_path() -> tuple[str, str]:
 
 
 HUB_CHECK_TIMEOUT_S = 3.0
+MODEL_FILES = ("config.json", "adapter_config.json")  # a model folder holds one (a PEFT adapter: the second)
+# The files a tokenizer is saved in (fast, sentencepiece, BPE and WordPiece vocabularies): any one makes one
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
@@ -117,6 +120,7 @@ def resolve_source(source: str, gguf_file: str | None = None, offline: bool | No
     if gguf_file is not None and importlib.util.find_spec("gguf") is None:
         raise ConversionError(f'reading the GGUF file {gguf_file} needs the gguf package: pip install "attnres[gguf]"')
     if path.is_dir():
+        check_model_folder(path, source, gguf_file)
         return str(path), gguf_file
     if path.exists():
         raise ConversionError(
@@ -145,6 +149,36 @@ def resolve_source(source: str, gguf_file: str | None = None, offline: bool | No
             "hf auth login)"
         )
     return source, gguf_file
+
+
+def check_model_folder(folder: Path, name: str, gguf_file: str | None) -> None:
+    """`ConversionError` unless `folder` holds a model: the GGUF file named, else a config.json (or, for a PEFT
+    adapter, adapter_config.json)."""
+    gguf_files = sorted(file.name for file in folder.glob("*.gguf"))
+    if gguf_file is not None and not (folder / gguf_file).is_file():
+        fix = f"it holds {', '.join(gguf_files)}: pass one of them" if gguf_files else "name the folder that holds it"
+        raise ConversionError(f"{name} has no GGUF file {gguf_file}; {fix}")
+    if gguf_file is None and not any((folder / file).is_file() for file in MODEL_FILES):
+        fix = f"for its GGUF file pass --gguf-file {gguf_files[0]}" if gguf_files else "name the folder that holds it"
+        raise ConversionError(f"{name} is not a model folder (it has no config.json); {fix}")
+
+
+def has_tokenizer(source: str | os.PathLike, gguf_file: str | None = None) -> bool:
+    """Whether a model brings its tokenizer: a GGUF file and a Hub repo are taken to (a Hub repo is not listed just for
+    that), a PEFT adapter folder has its base model's, and any other folder must hold one of `TOKENIZER_FILES`."""
+    folder = Path(source)
+    if gguf_file is not None or not folder.is_dir():
+        return True
+    return any((folder / name).is_file() for name in (*TOKENIZER_FILES, "adapter_config.json"))
+
+
+def check_tokenizer(source: str | os.PathLike, gguf_file: str | None = None) -> None:
+    """`ConversionError` for a model folder without a tokenizer, before a command that reads text loads anything."""
+    if not has_tokenizer(source, gguf_file):
+        raise ConversionError(
+            f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), which this command needs to turn text "
+            "into tokens; copy the tokenizer files of the model it was made from into it"
+        )
 
 
 @contextmanager
@@ -235,6 +269,7 @@ def load_source(
 
 
 def load_source_tokenizer(source: str | os.PathLike, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+    check_tokenizer(source, gguf_file)  # else transformers tries to build one, and fails with a misleading message
     return AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
 
 
@@ -322,7 +357,8 @@ def describe_layout(config: AttnResConfig) -> str:
 
 @dataclass
 class VerificationReport:
-    """How closely a converted model reproduces its source on `SAMPLE_TEXT`.
+    """How closely a converted model reproduces its source on `SAMPLE_TEXT` (fixed random token ids for a source that
+    has no tokenizer: the exactness the thresholds hold the conversion to does not depend on the text).
 
     Logits are compared with a float32 reference: the source itself when both models run in float32, otherwise the
     source run in float32 on the same weights. In float32 the largest logit difference may be at most `NOISE_FACTOR`
@@ -354,6 +390,11 @@ class VerificationReport:
     noise_implementations: str | None = None  # "sdpa vs eager"
     noise_max_abs_logit_diff: float = 0.0
     noise_nll_diff: float = 0.0
+    random_token_ids: bool = False  # run on fixed random token ids: the source had no tokenizer to encode the text
+
+    @property
+    def inputs(self) -> str:
+        return f"{self.num_tokens} {'random token ids' if self.random_token_ids else 'tokens'}"
 
     @property
     def nll_diff(self) -> float:
@@ -388,7 +429,7 @@ class VerificationReport:
             implementations = self.noise_implementations or "a second implementation (none available)"
             return [
                 (
-                    f"max abs logit diff, converted vs source (float32, {self.num_tokens} tokens)",
+                    f"max abs logit diff, converted vs source (float32, {self.inputs})",
                     f"{self.max_abs_logit_diff:.3g}",
                     f"<= {self.max_abs_logit_diff_allowed:.3g} ({NOISE_FACTOR} x the source's own noise)",
                 ),
@@ -410,7 +451,7 @@ class VerificationReport:
             ]
         return [
             (
-                f"mean abs logit diff from the source in float32 ({self.num_tokens} tokens), converted ({precision})",
+                f"mean abs logit diff from the source in float32 ({self.inputs}), converted ({precision})",
                 f"{self.mean_abs_logit_diff:.3g}",
                 f"<= {self.source_mean_abs_logit_diff:.3g}, the source's own in {precision}",
             ),
@@ -492,7 +533,7 @@ def _leading_agreement(first: torch.Tensor, second: torch.Tensor) -> int:
 def verify_conversion(
     source: PreTrainedModel,
     converted: AttnResForCausalLM,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
     text: str | None = None,
     max_tokens: int = 512,
     new_tokens: int = 64,
@@ -503,20 +544,23 @@ def verify_conversion(
     Both models must be in the same dtype. In float32 the source runs once more with its attention in a second
     implementation, which measures its own float noise. Outside float32 the source also runs in float32 (a copy with
     the same weights) as the reference both are measured against; the copy costs twice the weights' memory while it
-    runs.
+    runs. Without a tokenizer both run on `max_tokens` fixed random token ids instead of text.
     """
     if source.dtype != converted.dtype:
         raise ValueError(f"source ({source.dtype}) and converted model ({converted.dtype}) must share a dtype")
-    input_ids = tokenizer(text or SAMPLE_TEXT, return_tensors="pt").input_ids[:, :max_tokens].to(converted.device)
+    if tokenizer is None and text is not None:
+        raise ValueError("a text to verify on needs the tokenizer that encodes it")
+    input_ids = verification_input_ids(tokenizer, text, max_tokens, converted.config.vocab_size).to(converted.device)
     prompt = input_ids[:, :prompt_tokens]
     pad_token_id = source.generation_config.pad_token_id
+    if pad_token_id is None:  # a single unpadded sequence: any id does, and naming one spares generate's notice
+        pad_token_id = tokenizer.eos_token_id if tokenizer is not None else 0
     greedy = GenerationConfig(
         do_sample=False,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,  # no early stop: compare the same number of tokens every time
         eos_token_id=source.generation_config.eos_token_id,
-        # a single unpadded sequence: any id does, and naming one spares generate's notice that it picked one
-        pad_token_id=pad_token_id if pad_token_id is not None else tokenizer.eos_token_id,
+        pad_token_id=pad_token_id,
     )
     source_run = _run(source, input_ids, prompt, greedy)
     converted_run = _run(converted, input_ids, prompt, greedy)
@@ -545,7 +589,18 @@ def verify_conversion(
         noise_implementations=noise[0],
         noise_max_abs_logit_diff=noise[1],
         noise_nll_diff=noise[2],
+        random_token_ids=tokenizer is None,
     )
+
+
+def verification_input_ids(
+    tokenizer: PreTrainedTokenizerBase | None, text: str | None, max_tokens: int, vocab_size: int
+) -> torch.Tensor:
+    """[1, tokens]: the text (default `SAMPLE_TEXT`) encoded, or without a tokenizer `max_tokens` random ids, the same
+    on every run."""
+    if tokenizer is None:
+        return torch.randint(vocab_size, (1, max_tokens), generator=torch.Generator().manual_seed(0))
+    return tokenizer(text or SAMPLE_TEXT, return_tensors="pt").input_ids[:, :max_tokens]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -668,11 +723,12 @@ def verification_section(conversion: dict[str, Any], trained: bool) -> str:
         if conversion["converted_by"] == "attnres convert":
             return "The conversion was not verified (`--no-verify`)."
         return f"Converted on the fly by `{conversion['converted_by']}`, which does not verify the conversion."
+    report = VerificationReport.from_dict(conversion["verification"])
     when = "Before training, run" if trained else "Run"
-    return (
-        f"{when} on the same fixed sample text (`attnres.conversion.SAMPLE_TEXT`), source and converted model gave:\n\n"
-        + VerificationReport.from_dict(conversion["verification"]).to_markdown()
-    )
+    inputs = "the same fixed sample text (`attnres.conversion.SAMPLE_TEXT`)"
+    if report.random_token_ids:
+        inputs = f"the same {report.num_tokens} fixed random token ids (the source had no tokenizer to encode text)"
+    return f"{when} on {inputs}, source and converted model gave:\n\n{report.to_markdown()}"
 
 
 def training_run_text(run: dict[str, Any]) -> str:
@@ -723,18 +779,30 @@ def convert_checkpoint(
 
     `output_dir` receives sharded safetensors, config.json with the full `auto_map`, the remote-code files, the
     tokenizer, generation_config.json and a model card. Everything is checked before anything is written: the output
-    folder, the architecture (before any weights are loaded) and, unless `verify=False`, the verification
-    thresholds; a `ConversionError` says what failed and `output_dir` is left as it was. The verification runs on
-    `device`, where the source and the converted model then hold a copy of the weights each (on the CPU they share one).
+    folder (never the source, nor inside it or around it, even with `overwrite`), the architecture (before any weights
+    are loaded) and, unless `verify=False`, the verification thresholds; a `ConversionError` says what failed and
+    `output_dir` is left as it was. The verification runs on `device`, where the source and the converted model then
+    hold a copy of the weights each (on the CPU they share one). A source folder without a tokenizer converts too:
+    verified on random token ids, and saved without a tokenizer.
     """
     source, output_dir = str(source), Path(output_dir)
-    check_output_dir(output_dir, overwrite, "pass --overwrite (overwrite=True) to replace it", ConversionError)
+    replace_fix = None if overwrite else "pass --overwrite (overwrite=True) to replace it"
+    check_output_dir(output_dir, ConversionError, {"the source model": source}, replace_fix)
     config = attnres_config_for(AutoConfig.from_pretrained(source, gguf_file=gguf_file), mode, block_size)
     logger.info("Source: %s", source + (f", {gguf_file}" if gguf_file else ""))
     logger.info(describe_layout(config))
 
-    logger.info("[1/4] Loading the source model and tokenizer")
-    tokenizer = load_source_tokenizer(source, gguf_file)
+    tokenizer = None
+    if has_tokenizer(source, gguf_file):
+        logger.info("[1/4] Loading the source model and tokenizer")
+        tokenizer = load_source_tokenizer(source, gguf_file)
+    else:
+        logger.info(
+            "[1/4] Loading the source model. It has no tokenizer (%s): the verification runs on random token ids "
+            "instead of the sample text, and the converted folder has no tokenizer either; add the tokenizer files "
+            "of the model it was made from to the source folder for both",
+            ", ".join(TOKENIZER_FILES),
+        )
     source_model = load_source(source, dtype, gguf_file)
     logger.info("[2/4] Converting")
     model = convert_to_attnres(source_model, mode, block_size)
@@ -757,7 +825,8 @@ def convert_checkpoint(
     }
     with written_whole(output_dir) as staging:
         model.save_pretrained(staging, max_shard_size=max_shard_size)
-        tokenizer.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
         write_origin(staging, origin)
         model_card(model.config, origin).save(staging / "README.md")
     return report

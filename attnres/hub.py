@@ -4,8 +4,8 @@ the evaluation summary.
 
 `push_model` (`attnres push`) takes a folder written by `attnres convert`, `attnres train` or `save_pretrained`. Its
 card is made from the folder's config and origin record (`attnres_origin.json`, written by convert and train), or,
-for a folder without one, from its config, keeping the folder's own README after it; then the summary `attnres eval`
-left in the folder, if any. The card is built in memory: the folder on disk is left as it is. `push_folder` is the
+for a folder without one, from its config, keeping the folder's own README after it; then an `attnres eval` summary
+found in the folder, if any. The card is built in memory: the folder on disk is left as it is. `push_folder` is the
 upload itself.
 """
 
@@ -22,7 +22,8 @@ from transformers import AutoConfig, PreTrainedConfig
 from .conversion import model_card, source_name
 from .folders import CHECKPOINTS_FOLDER, TRAINING_CONFIG_FILE, read_metrics, read_origin
 
-# Where `attnres eval --output-dir` may have left its summary inside a model folder
+# Where a folder may hold an `attnres eval` summary: the demo's folder, or a model folder that it was copied into
+# (`attnres eval --output` never lies inside the model it evaluates)
 EVALUATION_SUMMARIES = ("summary.md", "eval/summary.md")
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 
@@ -103,7 +104,7 @@ def read_training_run(folder: Path) -> tuple[dict, list[dict]]:
 
 
 def evaluation_summary(folder: Path) -> str | None:
-    """The summary that `attnres eval` wrote into `folder` (or its `eval/` subfolder), if any, without its title: it
+    """The `attnres eval` summary in `folder` (or its `eval/` subfolder), if any, without its title: it
     goes under a heading of the card (or report) it joins."""
     found = next((folder / name for name in EVALUATION_SUMMARIES if (folder / name).is_file()), None)
     if found is None:

@@ -792,7 +792,8 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
     fix = "choose a new --output-dir"
     if (output_dir / CHECKPOINTS_FOLDER).is_dir():
         fix = f"pass --resume to continue the run saved there, or {fix}"
-    check_output_dir(output_dir, config.resume, fix, TrainingError)
+    inputs = {"the model": model_location(config)[0], "the dataset": config.dataset}  # not --resume's: its own output
+    check_output_dir(output_dir, TrainingError, inputs, None if config.resume else fix)
     accelerator = make_accelerator(config)
     accelerator.wait_for_everyone()  # every process has checked OUTPUT_DIR before the first write to it
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants as hub_constants
 
+import attnres
 from attnres import cli, conversion, demo, training_config
 from attnres.conversion import ConversionError
 from attnres.eval import harness
@@ -26,6 +27,13 @@ def run_cli(*argv) -> tuple[int, str]:
     with redirect_stdout(StringIO()), redirect_stderr(stderr):
         exit_code = cli.main([str(arg) for arg in argv])
     return exit_code, stderr.getvalue()
+
+
+def model_folder(folder: Path) -> Path:
+    """A folder that passes for a model until something loads it: it has a config.json."""
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    return folder
 
 
 @pytest.fixture
@@ -132,6 +140,12 @@ def test_train_options_are_training_config_fields():
     assert TrainingConfig(**fields) == TrainingConfig(output_dir="out", seq_len=64, convert=True)
 
 
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out == f"attnres {attnres.__version__}\n"
+
+
 def test_unknown_options_are_refused():
     with pytest.raises(SystemExit) as exit, redirect_stderr(StringIO()) as stderr:
         cli.parse_args(["convert", "a", "b", "--colour", "red"])
@@ -144,7 +158,7 @@ def test_device_reaches_the_code_that_runs_the_models(command, monkeypatch, tmp_
     monkeypatch.setattr(conversion, "convert_checkpoint", lambda *args, **options: calls.append(options))
     monkeypatch.setattr(demo, "demo", lambda *args, **options: calls.append(options))
     monkeypatch.setattr(demo, "results_summary", lambda result: "")
-    (tmp_path / "source").mkdir()
+    model_folder(tmp_path / "source")
     arguments = [tmp_path / "source", tmp_path / "out"] if command == "convert" else ["--source", tmp_path / "source"]
     assert run_cli(command, *arguments, "--device", "cuda:1") == (0, "")
     assert [options["device"] for options in calls] == ["cuda:1"]
@@ -221,8 +235,7 @@ def test_offline_hub_id_in_the_cache_is_accepted(monkeypatch, tmp_path):
 @pytest.mark.parametrize("command", ["eval", "analyze"])
 @pytest.mark.parametrize("missing", ["model", "baseline"])
 def test_both_models_are_checked_before_either_loads(command, missing, tmp_path, nothing_loads):
-    folder = tmp_path / "model"
-    folder.mkdir()
+    folder = model_folder(tmp_path / "model")
     model, baseline = (tmp_path / "missing", folder) if missing == "model" else (folder, tmp_path / "missing")
     exit_code, error = run_cli(command, model, "--baseline", baseline, "--output", tmp_path / "out")
     assert exit_code == 1 and error == f"attnres {command}: error: no such folder: {tmp_path / 'missing'}\n"
@@ -251,7 +264,7 @@ def test_a_bug_shows_its_traceback(monkeypatch, tmp_path):
 
     monkeypatch.setattr("attnres.analysis.run_analyze", broken)
     with pytest.raises(ValueError, match="a bug"):
-        run_cli("analyze", tmp_path)
+        run_cli("analyze", model_folder(tmp_path))
 
 
 @pytest.mark.parametrize("debug_by", ["--debug", "ATTNRES_DEBUG"])

@@ -442,6 +442,23 @@ def test_existing_output_dir_needs_overwrite(llama_checkpoint, tmp_path):
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "no-verify"])
+def test_a_source_without_tokenizer_converts_and_says_what_that_changes(tmp_path, verify):
+    """Conversion needs no text: such a source converts, verified on fixed random token ids, into a folder without
+    a tokenizer, and the output, the verification table and the model card say so."""
+    tiny_source_model("llama").save_pretrained(tmp_path / "source")
+    exit_code, output = run_cli("convert", tmp_path / "source", tmp_path / "out", *([] if verify else ["--no-verify"]))
+    assert exit_code == 0 and "Traceback" not in output, output
+    assert "It has no tokenizer (" in output and "It has no tokenizer, as its source had none" in output
+    assert not any((tmp_path / "out" / name).exists() for name in conversion.TOKENIZER_FILES)
+    card = (tmp_path / "out" / "README.md").read_text()
+    if verify:
+        assert "verification passed" in output and "(float32, 512 random token ids)" in output
+        assert "Run on the same 512 fixed random token ids (the source had no tokenizer to encode text)" in card
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert isinstance(model, AttnResForCausalLM)
+
+
 @pytest.mark.parametrize("interruption", [KeyboardInterrupt(), OSError(28, "No space left on device")])
 def test_interrupted_conversion_leaves_no_model(llama_checkpoint, tmp_path, monkeypatch, interruption):
     def save_then_fail(self, folder, **kwargs):

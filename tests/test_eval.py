@@ -163,10 +163,11 @@ def test_model_folder_that_does_not_load(tmp_path, capsys):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "attnres", "text_config": {"model_type": "no-such-family"}}')
+    tiny_tokenizer().save_pretrained(broken)  # a tokenizer, so that what fails is loading the model
     with pytest.raises(EvalError, match=f"cannot load the model '{broken}'"):
         evaluate(broken, tasks=["gpqa"], output_dir=tmp_path / "out", **OFFLINE)
-    argv = ["eval", str(broken), "--tasks", "gpqa", "--offline", "--data-dir", "fixtures", "--output", str(tmp_path)]
-    assert main(argv) == 1
+    options = ["--tasks", "gpqa", "--offline", "--data-dir", "fixtures", "--output", str(tmp_path / "out")]
+    assert main(["eval", str(broken), *options]) == 1  # the output beside the model, not around it
     assert f"attnres eval: error: cannot load the model '{broken}'" in capsys.readouterr().err
 
 

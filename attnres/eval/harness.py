@@ -14,13 +14,16 @@ import gc
 import json
 import logging
 import os
+import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lm_eval.evaluator
 import torch
 from lm_eval import simple_evaluate
+from lm_eval.loggers.utils import get_commit_from_path
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
@@ -29,12 +32,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from ..conversion import (
     DEFAULT_SOURCE,
     DTYPES,
+    check_tokenizer,
     hub_reachable,
     load_source,
     load_source_tokenizer,
     offline_mode,
     resolve_source,
 )
+from ..folders import check_output_dir
 from .tasks import utils as offline_utils
 
 logger = logging.getLogger(__name__)
@@ -134,10 +139,7 @@ def resolve_offline(offline: bool | None) -> bool:
 def resolve_data_dir(data_dir: str | Path | None) -> Path | None:
     if data_dir is None:
         return None
-    if str(data_dir) == FIXTURES:
-        logger.warning("Using the bundled FIXTURES (our own easy questions), NOT BENCHMARK DATA.")
-        return FIXTURES_DIR
-    return Path(data_dir).resolve()
+    return FIXTURES_DIR if str(data_dir) == FIXTURES else Path(data_dir).resolve()
 
 
 def lm_eval_task_names(tasks: Sequence[str], offline: bool, data_dir: Path | None) -> list[str]:
@@ -307,20 +309,45 @@ def model_object_accepted() -> Iterator[None]:
         hflm_logger.removeFilter(warning_filter)
 
 
+@contextmanager
+def quiet_git_probe() -> Iterator[None]:
+    """lm-eval records the git commit of the current folder with `git describe`, whose "fatal: not a git repository"
+    outside a repository says nothing about the evaluation: run that probe with git's stderr discarded, unless the
+    package logs at DEBUG (`attnres --debug`)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    probe = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = quiet_git_commit_hash
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = probe
+
+
+def quiet_git_commit_hash() -> str | None:
+    """lm-eval's `get_git_commit_hash`, with git's stderr discarded."""
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL, text=True).strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):  # no repository here, or no git
+        return get_commit_from_path(os.getcwd())
+
+
 def run_lm_eval(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: RunSettings) -> dict:
     with model_object_accepted():
         # backend="causal": AttnRes's model type is not one lm-eval knows as causal, and every model here is one
         lm = HFLM(pretrained=model, backend="causal", tokenizer=tokenizer, batch_size=settings.batch_size)
-    return simple_evaluate(
-        model=lm,
-        tasks=settings.names,
-        task_manager=settings.manager,
-        limit=settings.limit,
-        bootstrap_iters=BOOTSTRAP_ITERS,
-        log_samples=settings.log_samples,
-        gen_kwargs={"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks else None,
-        confirm_run_unsafe_code=settings.allow_code_execution,
-    )
+    with quiet_git_probe():
+        return simple_evaluate(
+            model=lm,
+            tasks=settings.names,
+            task_manager=settings.manager,
+            limit=settings.limit,
+            bootstrap_iters=BOOTSTRAP_ITERS,
+            log_samples=settings.log_samples,
+            gen_kwargs={"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks else None,
+            confirm_run_unsafe_code=settings.allow_code_execution,
+        )
 
 
 def save_results(results: dict, label: str, output_dir: Path) -> dict:
@@ -397,8 +424,9 @@ def evaluate(
     HF_DATASETS_OFFLINE and a quick Hub check; offline GPQA and MATH read `data_dir` (`"fixtures"`: the bundled
     fixtures). `tokenizer` goes with model objects: `model`'s and, when it is an object too, the baseline's (a
     source and its conversion share one); without it, objects load theirs from `name_or_path`. Named models are
-    checked before any loads (`resolve_source`): a missing folder, or a Hub id that cannot be had (offline: not in
-    the cache), raises `ConversionError`.
+    checked before any loads (`resolve_source`): a missing folder, a folder without a model or a tokenizer, or a Hub
+    id that cannot be had (offline: not in the cache), raises `ConversionError`; an `output_dir` that is, holds or
+    lies inside one of them or `data_dir`, or is the current or home folder, raises `EvalError`.
     """
     if output_dir is None:
         raise EvalError("evaluate() needs an output_dir for the results and summary.md")
@@ -409,10 +437,15 @@ def evaluate(
     settings = RunSettings(
         names, task_manager(names, data_path), limit, batch_size, allow_code_execution, log_samples, max_gen_toks
     )
-    for candidate in (baseline, model):  # every model named, before any loads or anything is written
+    inputs: dict[str, str | Path | None] = {"the data folder": data_path}
+    for what, candidate in (("the baseline", baseline), ("the model", model)):  # before any loads or is written
         if isinstance(candidate, (str, os.PathLike)):
-            resolve_source(str(candidate), offline=is_offline)
+            inputs[what], gguf_file = resolve_source(str(candidate), offline=is_offline)
+            check_tokenizer(inputs[what], gguf_file)
     output_dir = Path(output_dir)
+    check_output_dir(output_dir, EvalError, inputs, None)  # results go beside what is there, as on a rerun
+    if data_path == FIXTURES_DIR:
+        logger.warning("Using the bundled FIXTURES (our own easy questions), NOT BENCHMARK DATA.")
     output_dir.mkdir(parents=True, exist_ok=True)
 
     results = {}
