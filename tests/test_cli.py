@@ -4,6 +4,7 @@ arguments checked before anything loads (wrong folders, an unreachable Hub, offl
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -144,6 +145,39 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["--version"])
     assert exit.value.code == 0 and capsys.readouterr().out == f"attnres {attnres.__version__}\n"
+
+
+README = Path(__file__).parents[1] / "README.md"
+# `attnres COMMAND ...` (not `from attnres import`), or `-m attnres.training ...` (train), up to a comment or `&&`
+README_COMMAND = re.compile(
+    r"(?:(?<![\w.-])(?<!from )attnres (?P<name>[a-z]+)|-m attnres\.training)(?P<rest>[^#&|;`]*)"
+)
+
+
+def readme_flags() -> dict[str, set[str]]:
+    """The options the README shows for each command, in its bash blocks and its inline code."""
+    text = README.read_text(encoding="utf-8")
+    blocks = [block.replace("\\\n", " ") for block in re.findall(r"```bash\n(.*?)```", text, re.S)]  # lines joined
+    commands = [line for block in blocks for line in block.splitlines()]
+    commands += [
+        span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    ]
+    flags = {}
+    for command in commands:
+        for match in README_COMMAND.finditer(command):
+            flags.setdefault(match["name"] or "train", set()).update(re.findall(r"(?<![\w-])--[\w-]+", match["rest"]))
+    return flags
+
+
+def test_every_option_the_readme_shows_exists():
+    parsers = subparsers()
+    shown = readme_flags()
+    assert set(shown) == set(parsers), "every command appears in the README, and no other"
+    for name, flags in shown.items():
+        unknown = flags - set(parsers[name]._option_string_actions)
+        assert not unknown, (name, unknown)
+    demo_options = {option for action in parsers["demo"]._actions for option in action.option_strings}
+    assert demo_options - {"-h", "--help", "--debug"} <= shown["demo"], "the README lists every option of the demo"
 
 
 def test_unknown_options_are_refused():
