@@ -26,7 +26,18 @@ from transformers import AutoConfig, PreTrainedConfig  # noqa: E402
 from transformers.configuration_utils import SubConfigSpec  # noqa: E402
 
 # Source families whose decoder layers AttnRes rewires (the `model_type` of their text config).
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text")
+SUPPORTED_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gemma3_text",
+    "ministral",
+    "ministral3",
+    "smollm3",
+)
 # Families that normalise after the residual add: their sublayers do not start with a norm, so a mixture over depth
 # would change what they read (AttnRes needs PreNorm, paper §3).
 POST_NORM_FAMILIES = ("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert", "olmo2", "olmo3")

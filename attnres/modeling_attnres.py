@@ -43,17 +43,31 @@ from .configuration_attnres import AttnResConfig
 
 @dataclass(frozen=True)
 class Family:
-    """How to build one source family's modules and run the two sublayers of its decoder layer."""
+    """How to build one source family's modules and run the two sublayers of its decoder layer.
+
+    Every family is PreNorm in the sense AttnRes needs: each sublayer reads the residual stream (through its input norm,
+    if it has one) and adds its output to it. Where families differ, a field below names the difference.
+    """
 
     module_name: str  # transformers.models.<module_name>.modeling_<module_name>
     class_prefix: str  # e.g. "Qwen3Moe" for Qwen3MoeDecoderLayer, Qwen3MoeRMSNorm, ...
-    attention_input_norm: str = "input_layernorm"
-    attention_output_norm: str | None = None  # Gemma3's sandwich norms normalise the sublayer outputs too
-    mlp_input_norm: str = "post_attention_layernorm"
+    # None: the sublayer reads the stream itself (OLMo-2/3, EXAONE-4 normalise only outputs); it then needs
+    # `attnres_scale_by_num_sources` to read the plain sum rather than the mean at zero queries.
+    attention_input_norm: str | None = "input_layernorm"
+    attention_output_norm: str | None = None  # Gemma2/3's sandwich norms normalise the sublayer outputs too
+    mlp_input_norm: str | None = "post_attention_layernorm"
     mlp_output_norm: str | None = None
-    scaled_embedding: bool = False  # Gemma3 multiplies the token embedding by sqrt(hidden_size)
-    rope_per_layer_type: bool = False  # Gemma3: separate RoPE parameters for sliding and full attention layers
-    num_experts_key: str | None = None  # MoE families: the config field holding the number of experts
+    # Phi-3: the (attention, MLP) dropout modules applied to the sublayer outputs before the residual add
+    output_dropouts: tuple[str, str] | None = None
+    scaled_embedding: bool = False  # Gemma2/3 multiply the token embedding by sqrt(hidden_size)
+    rope_per_layer_type: bool = False  # Gemma3, OLMo-3: separate RoPE parameters for sliding and full attention layers
+    num_experts_key: str | None = None  # MoE families with a load-balancing loss: the config field of the experts count
+    mlp_returns_tuple: bool = False  # GPT-OSS: the MLP returns (output, router scores)
+    # Granite's scalars, as config fields: the embedding is multiplied by one, each sublayer output by another before
+    # the residual add, and the logits are divided by a third
+    embedding_multiplier_key: str | None = None
+    residual_multiplier_key: str | None = None
+    logits_divisor_key: str | None = None
 
     @property
     def module(self) -> ModuleType:
@@ -63,22 +77,31 @@ class Family:
         return getattr(self.module, self.class_prefix + suffix)
 
 
+# Sandwich-norm layers: input and output norms around both sublayers (Gemma2, Gemma3)
+SANDWICH_NORMS = dict(
+    attention_output_norm="post_attention_layernorm",
+    mlp_input_norm="pre_feedforward_layernorm",
+    mlp_output_norm="post_feedforward_layernorm",
+)
+# Output norms only, no input norm (OLMo-2, OLMo-3, EXAONE-4)
+OUTPUT_NORMS_ONLY = dict(
+    attention_input_norm=None,
+    attention_output_norm="post_attention_layernorm",
+    mlp_input_norm=None,
+    mlp_output_norm="post_feedforward_layernorm",
+)
+
 FAMILIES = {
     "llama": Family("llama", "Llama"),
     "mistral": Family("mistral", "Mistral"),
+    "ministral": Family("ministral", "Ministral"),
+    "ministral3": Family("ministral3", "Ministral3"),
     "qwen2": Family("qwen2", "Qwen2"),
     "qwen3": Family("qwen3", "Qwen3"),
     "qwen3_moe": Family("qwen3_moe", "Qwen3Moe", num_experts_key="num_experts"),
     "mixtral": Family("mixtral", "Mixtral", num_experts_key="num_local_experts"),
-    "gemma3_text": Family(
-        "gemma3",
-        "Gemma3",
-        attention_output_norm="post_attention_layernorm",
-        mlp_input_norm="pre_feedforward_layernorm",
-        mlp_output_norm="post_feedforward_layernorm",
-        scaled_embedding=True,
-        rope_per_layer_type=True,
-    ),
+    "smollm3": Family("smollm3", "SmolLM3"),
+    "gemma3_text": Family("gemma3", "Gemma3", **SANDWICH_NORMS, scaled_embedding=True, rope_per_layer_type=True),
 }
 
 
@@ -296,8 +319,24 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.attention_starts_block = config.sublayer_starts_block(2 * layer_idx)
         self.mlp_starts_block = config.sublayer_starts_block(2 * layer_idx + 1)
 
+        self.residual_multiplier = (
+            None if self.family.residual_multiplier_key is None
+            else getattr(config.text_config, self.family.residual_multiplier_key)
+        )  # fmt: skip
+
     def _norm(self, name: str | None, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states if name is None else getattr(self, name)(hidden_states)
+
+    def _sublayer_output(self, sublayer: int, output: torch.Tensor) -> torch.Tensor:
+        """What sublayer `sublayer` (0: attention, 1: MLP) adds to the stream: its output after the family's output
+        norm, residual dropout and residual multiplier, in the source's order."""
+        family = self.family
+        output = self._norm((family.attention_output_norm, family.mlp_output_norm)[sublayer], output)
+        if family.output_dropouts is not None:
+            output = getattr(self, family.output_dropouts[sublayer])(output)
+        if self.residual_multiplier is not None:
+            output = output * self.residual_multiplier
+        return output
 
     def forward(
         self,
@@ -330,7 +369,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             **kwargs,
         )
-        attention_output = self._norm(family.attention_output_norm, attention_output)
+        attention_output = self._sublayer_output(0, attention_output)
         partial_sum = attention_output if partial_sum is None else partial_sum + attention_output
 
         # MLP sublayer: in Full mode it still reads the attention output as its partial sum, which closes after it
@@ -341,7 +380,10 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         if self.mlp_starts_block:
             completed, inv_rms = close_source(completed, inv_rms, partial_sum, eps)
             partial_sum = None
-        mlp_output = self._norm(family.mlp_output_norm, self.mlp(mlp_input))
+        mlp_output = self.mlp(mlp_input)
+        if family.mlp_returns_tuple:
+            mlp_output = mlp_output[0]
+        mlp_output = self._sublayer_output(1, mlp_output)
         partial_sum = mlp_output if partial_sum is None else partial_sum + mlp_output
 
         return partial_sum, attention_depth_weights, mlp_depth_weights, inv_rms, *completed
@@ -388,7 +430,10 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {
         "hidden_states": OutputRecorder(AttnResDecoderLayer, index=0),  # the partial sum after each layer
         "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
-        "router_logits": OutputRecorder(None, index=0, class_name="mlp.gate"),
+        "router_logits": [  # the router of an MoE layer: `mlp.gate` (Qwen3-MoE, Mixtral, DeepSeek-V3), `mlp.router`
+            OutputRecorder(None, index=0, class_name="mlp.gate"),
+            OutputRecorder(None, index=0, class_name="mlp.router"),
+        ],
     }
 
     def __init__(self, config: AttnResConfig, *inputs, **kwargs):
@@ -396,6 +441,23 @@ class AttnResPreTrainedModel(PreTrainedModel):
         # The source family's modules read their own (text) config: keep its attention and experts backends in step.
         config.text_config._attn_implementation_internal = config._attn_implementation
         config.text_config._experts_implementation_internal = config._experts_implementation
+
+    def _sdpa_can_dispatch(self, is_init_check: bool = False) -> bool:
+        # The source family's attention decides: Gemma2's softcapping and GPT-OSS's sinks have no sdpa path, so those
+        # models fall back to eager (as their own models do) or refuse an explicit request.
+        family_model_cls = family_of(self.config).cls("PreTrainedModel")
+        if not family_model_cls._supports_sdpa:
+            raise ValueError(
+                f"{family_model_cls.__name__} (the source family of this AttnRes model) does not support sdpa "
+                "attention; use attn_implementation='eager'."
+            )
+        return super()._sdpa_can_dispatch(is_init_check)
+
+    def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
+        family_model_cls = family_of(self.config).cls("PreTrainedModel")
+        if not family_model_cls._supports_flex_attn:
+            raise ValueError(f"{family_model_cls.__name__} does not support flex attention; use 'eager'.")
+        return super()._flex_attn_can_dispatch(is_init_check)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, AttnResPseudoQuery):
@@ -478,6 +540,8 @@ class AttnResModel(AttnResPreTrainedModel):
         text_config, family = self.config.text_config, family_of(self.config)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if family.embedding_multiplier_key is not None:  # Granite: applied to given embeddings too, as there
+            inputs_embeds = inputs_embeds * getattr(text_config, family.embedding_multiplier_key)
         if use_cache and cache is None:
             cache = DynamicCache(config=text_config)
         if position_ids is None:
@@ -564,6 +628,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
+        if family.logits_divisor_key is not None:
+            logits = logits / getattr(text_config, family.logits_divisor_key)
         softcap = getattr(text_config, "final_logit_softcapping", None)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap

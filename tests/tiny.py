@@ -28,6 +28,22 @@ FAMILY_OVERRIDES = {
     "qwen3": dict(),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "ministral": dict(sliding_window=6, layer_types=None),  # alternating sliding and full layers, set below
+    # Llama-4 attention scaling from position 8 on, so that generation reaches it
+    "ministral3": dict(
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=1e6,
+            factor=32.0,
+            original_max_position_embeddings=8,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            llama_4_scaling_beta=0.1,
+        ),
+    ),
+    "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=6),  # every 2nd layer: no RoPE
     "gemma3_text": dict(
         sliding_window=6,
         layer_types=None,
@@ -37,6 +53,7 @@ FAMILY_OVERRIDES = {
     ),
 }
 FAMILIES = tuple(FAMILY_OVERRIDES)
+ALTERNATING_LAYER_TYPES = ("gemma3_text", "ministral")
 # `attnres train` options for a tiny model on a tiny corpus: a few seconds per run on one CPU core
 TINY_RUN = dict(
     seq_len=32,
@@ -60,7 +77,7 @@ def random_ids(batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
 
 def tiny_source_config(family: str, num_layers: int = 5, **overrides):
     kwargs = {**COMMON, **FAMILY_OVERRIDES[family], "num_hidden_layers": num_layers, **overrides}
-    if family == "gemma3_text":  # alternate sliding and full attention layers
+    if family in ALTERNATING_LAYER_TYPES:  # alternate sliding and full attention layers
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     return AutoConfig.for_model(family, **kwargs)
 

@@ -1,0 +1,131 @@
+"""Every supported source family, on a tiny random model whose weights are scaled up and whose norm gains are
+perturbed (so that a misplaced norm, multiplier or dropout changes the logits): conversion reproduces the source within
+its own float noise, including greedy generation with the cache; the two-phase path equals the naive one; the cache
+changes nothing; a saved model reloads as remote code without the package; and a few training steps lower the loss."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from tiny import attnres_twin, random_ids, tiny_source_model, tiny_tokenizer
+
+from attnres.configuration_attnres import SUPPORTED_FAMILIES
+from attnres.conversion import convert_to_attnres, verify_conversion
+from attnres.modeling_attnres import FAMILIES
+
+SCALED_INIT = 0.1  # initializer_range: 5x the configs' 0.02, so that every sublayer moves the stream
+
+
+def perturbed_source(family: str, num_layers: int = 5, **overrides):
+    """The family's tiny source model with larger weights and norm gains away from their init."""
+    source = tiny_source_model(family, num_layers=num_layers, initializer_range=SCALED_INIT, **overrides)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in source.named_parameters():
+            if "norm" in name and parameter.dim() == 1:
+                parameter.copy_(parameter + 0.3 * torch.randn(parameter.shape, generator=generator))
+    return source
+
+
+def test_every_family_has_a_tiny_model_and_a_row():
+    assert set(SUPPORTED_FAMILIES) <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_conversion_reproduces_the_source_within_its_noise(family):
+    """Logits within 4x the source's own float noise (fp32), the same NLL, and 24 greedy tokens generated with the
+    cache identical to the source's own (`verify_conversion`)."""
+    source = perturbed_source(family)
+    model = convert_to_attnres(copy.deepcopy(source), block_size=2)
+    report = verify_conversion(source, model, tiny_tokenizer(), new_tokens=24)
+    print(
+        f"{family}: max abs logit diff {report.max_abs_logit_diff:.3g}, noise ({report.noise_implementations}) "
+        f"{report.noise_max_abs_logit_diff:.3g}, allowed {report.max_abs_logit_diff_allowed:.3g}, "
+        f"largest logit {report.max_abs_source_logit:.3g}"
+    )
+    assert report.passed, report.format()
+    assert report.noise_implementations is not None  # calibrated on the source, not a bare float32 step
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_cache_and_two_phase_change_nothing(family):
+    """With trained-looking (random) depth parameters: greedy generation with the cache equals generation without it,
+    and the two-phase path gives the naive path's logits and gradients."""
+    model = attnres_twin(perturbed_source(family), seed=2, attnres_block_size=2)
+    prompt = random_ids(batch=1, length=7)
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)
+
+    ids, results = random_ids(length=12), {}
+    model.train()
+    for implementation in ("naive", "two_phase"):
+        model.config.attnres_implementation = implementation
+        model.zero_grad()
+        torch.manual_seed(0)
+        logits = model(ids).logits
+        logits.float().square().mean().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results[implementation] = logits.detach(), grads
+    (naive_logits, naive_grads), (fast_logits, fast_grads) = results["naive"], results["two_phase"]
+    scale = naive_logits.abs().max().item()
+    assert (naive_logits - fast_logits).abs().max().item() <= 1e-5 * max(1.0, scale)
+    assert naive_grads.keys() == fast_grads.keys()
+    for name in naive_grads:
+        bound = 1e-5 * max(1.0, naive_grads[name].abs().max().item())
+        assert (naive_grads[name] - fast_grads[name]).abs().max().item() <= bound, name
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_training_steps_lower_the_loss(family):
+    model = convert_to_attnres(perturbed_source(family), block_size=2).train()
+    ids = random_ids(batch=4, length=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(5):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
+ROUND_TRIP = """
+import json, sys, torch
+sys.modules["attnres"] = None  # the package must not be needed
+from transformers import AutoModelForCausalLM
+folders, ids = json.loads(sys.argv[1]), torch.load(sys.argv[2])
+diffs = {}
+for family, folder in folders.items():
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    with torch.no_grad():
+        diffs[family] = (model(ids).logits - torch.load(folder + "/expected.pt")).abs().max().item()
+print(json.dumps(diffs))
+"""
+
+
+def test_save_and_reload_as_remote_code(tmp_path):
+    """Every family with trained (random) depth parameters, saved and loaded in a Python without the package."""
+    ids, folders = random_ids(length=12), {}
+    torch.save(ids, tmp_path / "ids.pt")
+    for family in SUPPORTED_FAMILIES:
+        model = attnres_twin(perturbed_source(family, num_layers=3), seed=3, attnres_block_size=2)
+        folder = tmp_path / family
+        model.save_pretrained(folder)
+        with torch.no_grad():
+            torch.save(model(ids).logits, folder / "expected.pt")
+        folders[family] = str(folder)
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-c", textwrap.dedent(ROUND_TRIP), json.dumps(folders), str(tmp_path / "ids.pt")]
+    child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    diffs = json.loads(child.stdout.strip().splitlines()[-1])
+    assert diffs.keys() == folders.keys() and max(diffs.values()) == 0.0, diffs
