@@ -37,6 +37,9 @@ SUPPORTED_FAMILIES = (
     "ministral",
     "ministral3",
     "smollm3",
+    "phi3",
+    "granite",
+    "glm4",
 )
 # Families that normalise after the residual add: their sublayers do not start with a norm, so a mixture over depth
 # would change what they read (AttnRes needs PreNorm, paper §3).

@@ -101,6 +101,17 @@ FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", "Qwen3Moe", num_experts_key="num_experts"),
     "mixtral": Family("mixtral", "Mixtral", num_experts_key="num_local_experts"),
     "smollm3": Family("smollm3", "SmolLM3"),
+    "phi3": Family("phi3", "Phi3", output_dropouts=("resid_attn_dropout", "resid_mlp_dropout")),
+    "granite": Family(
+        "granite",
+        "Granite",
+        embedding_multiplier_key="embedding_multiplier",
+        residual_multiplier_key="residual_multiplier",
+        logits_divisor_key="logits_scaling",
+    ),
+    "glm4": Family(
+        "glm4", "Glm4", attention_output_norm="post_self_attn_layernorm", mlp_output_norm="post_mlp_layernorm"
+    ),
     "gemma3_text": Family("gemma3", "Gemma3", **SANDWICH_NORMS, scaled_embedding=True, rope_per_layer_type=True),
 }
 

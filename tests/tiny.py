@@ -44,6 +44,16 @@ FAMILY_OVERRIDES = {
         ),
     ),
     "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=6),  # every 2nd layer: no RoPE
+    # Half the head dimension rotated; residual dropout, which only training sees
+    "phi3": dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5), resid_pdrop=0.1),
+    "granite": dict(
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.05,
+        logits_scaling=8.0,
+        tie_word_embeddings=True,
+    ),
+    "glm4": dict(),  # rotates half the head dimension by default
     "gemma3_text": dict(
         sliding_window=6,
         layer_types=None,
