@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from .configuration_attnres import AttnResConfig
 from .folders import check_output_dir
 from .modeling_attnres import FAMILIES, AttnResForCausalLM
+from .verification import SAMPLE_TEXT
 
 if TYPE_CHECKING:  # matplotlib is the `plots` extra: imported where a picture is drawn (training needs only entropies)
     from matplotlib.axes import Axes
@@ -289,8 +290,6 @@ def read_text(args: argparse.Namespace) -> str:
     if args.text is not None:
         return args.text.read_text(encoding="utf-8")
     if args.dataset is None:
-        from .conversion import SAMPLE_TEXT
-
         return SAMPLE_TEXT
     import datasets
 
@@ -309,7 +308,7 @@ def read_text(args: argparse.Namespace) -> str:
 def run_analyze(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .conversion import check_tokenizer, load_source, resolve_source
+    from .sources import check_tokenizer, load_source, resolve_source
 
     source, gguf_file = None, None
     if args.baseline is not None:

@@ -1,4 +1,5 @@
-"""The model classes, registered with transformers' Auto classes for `model_type="attnres"` when this module loads.
+"""The model as the rest of the package sees it: its classes, registered with transformers' Auto classes for
+`model_type="attnres"` when this module loads, and which of its parameters are the ones AttnRes adds.
 
 `attnres/__init__.py` loads it on first use of a model class, and every module of the package that loads models
 imports it, so that AutoConfig / AutoModel / AutoModelForCausalLM know AttnRes without `trust_remote_code`.
@@ -6,14 +7,27 @@ imports it, so that AutoConfig / AutoModel / AutoModelForCausalLM know AttnRes w
 
 import importlib.util
 
+from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .configuration_attnres import SUPPORTED_FAMILIES, AttnResConfig
-from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel
+# All of these are `attnres.<name>` too: attnres/__init__.py serves its `__all__` from here
+from .configuration_attnres import SUPPORTED_FAMILIES, AttnResConfig  # noqa: F401
+from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel  # noqa: F401
 
 AutoConfig.register("attnres", AttnResConfig, exist_ok=True)
 AutoModel.register(AttnResConfig, AttnResModel, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
+
+# The modules AttnRes adds to the source model, by their names in modeling_attnres.py: the pseudo-query and key norm
+# of each sublayer's depth mix and of the output aggregation. PEFT's `modules_to_save` takes these names.
+ATTNRES_MODULES = [
+    "self_attention_res_proj",
+    "self_attention_res_norm",
+    "mlp_res_proj",
+    "mlp_res_norm",
+    "output_attn_res_proj",
+    "output_attn_res_norm",
+]
 
 # PEFT chooses LoRA's default target modules by model_type; AttnRes keeps the source family's projection names.
 if importlib.util.find_spec("peft") is not None:
@@ -21,10 +35,12 @@ if importlib.util.find_spec("peft") is not None:
 
     TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.setdefault("attnres", ["q_proj", "v_proj"])
 
-__all__ = [
-    "SUPPORTED_FAMILIES",
-    "AttnResConfig",
-    "AttnResForCausalLM",
-    "AttnResModel",
-    "AttnResPreTrainedModel",
-]
+
+def is_attnres_parameter(name: str) -> bool:
+    """Whether a parameter (or state-dict key) is one that AttnRes adds, also under a PEFT wrapper's longer names."""
+    return any(part in ATTNRES_MODULES for part in name.split("."))
+
+
+def added_parameter_count(model: nn.Module) -> int:
+    """Parameters that AttnRes adds to the source: pseudo-queries and key norms."""
+    return sum(parameter.numel() for name, parameter in model.named_parameters() if is_attnres_parameter(name))

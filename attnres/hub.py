@@ -10,7 +10,6 @@ upload itself.
 """
 
 import argparse
-import json
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,8 +18,8 @@ from pathlib import Path
 from huggingface_hub import HfApi, ModelCard
 from transformers import AutoConfig, PreTrainedConfig
 
-from .conversion import model_card, source_name
-from .folders import CHECKPOINTS_FOLDER, TRAINING_CONFIG_FILE, read_metrics, read_origin
+from .cards import model_card, origin_record, read_origin
+from .folders import CHECKPOINTS_FOLDER
 
 # Where a folder may hold an `attnres eval` summary: the demo's folder, or a model folder that it was copied into
 # (`attnres eval --output` never lies inside the model it evaluates)
@@ -96,13 +95,6 @@ def load_model_folder_config(folder: Path) -> PreTrainedConfig:
     return AutoConfig.from_pretrained(folder)
 
 
-def read_training_run(folder: Path) -> tuple[dict, list[dict]]:
-    """(training_config.json, metrics.jsonl records) of an `attnres train` folder; empty for any other folder."""
-    config_file = folder / TRAINING_CONFIG_FILE
-    training_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    return training_config, read_metrics(folder)
-
-
 def evaluation_summary(folder: Path) -> str | None:
     """The `attnres eval` summary in `folder` (or its `eval/` subfolder), if any, without its title: it
     goes under a heading of the card (or report) it joins."""
@@ -121,7 +113,7 @@ def model_card_for_push(folder: Path, config: PreTrainedConfig) -> str:
         text = str(model_card(config, origin))
     else:
         existing = ModelCard.load(folder / "README.md") if (folder / "README.md").is_file() else None
-        unrecorded = {"source": source_name(str(folder)), "conversion": None, "training": []}
+        unrecorded = origin_record(str(folder))
         card_data = existing.data if existing is not None and existing.data.to_dict() else None
         text = str(model_card(config, unrecorded, card_data))
         if existing is not None and existing.text.strip():

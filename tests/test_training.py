@@ -350,7 +350,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(checkpoints, data_f
 
 def test_convert_under_zero3_asks_to_convert_first(checkpoints, data_files, tmp_path, monkeypatch):
     # Under ZeRO-3 from_pretrained partitions what it loads, so the source's weights could not be read whole
-    monkeypatch.setattr("attnres.training.is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr("attnres.training.recipe.is_deepspeed_zero3_enabled", lambda: True)
     with pytest.raises(TrainingError, match=r"convert first \(attnres convert SOURCE DIR\)"):
         run(tmp_path, checkpoints["source"], data_files["jsonl"], convert=True)
 

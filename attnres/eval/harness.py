@@ -29,9 +29,9 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..conversion import (
-    DEFAULT_SOURCE,
-    DTYPES,
+from ..folders import check_output_dir
+from ..options import DEFAULT_SOURCE, DEFAULT_TASKS, EVAL_DTYPES, FIXTURES, TASK_ALIASES, parameters_from
+from ..sources import (
     check_tokenizer,
     hub_reachable,
     load_source,
@@ -39,24 +39,12 @@ from ..conversion import (
     offline_mode,
     resolve_source,
 )
-from ..folders import check_output_dir
 from .tasks import utils as offline_utils
 
 logger = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 FIXTURES_DIR = Path(__file__).parent / "fixtures"
-FIXTURES = "fixtures"  # the `data_dir` that selects FIXTURES_DIR
-DEFAULT_TASKS = ("gpqa", "math", "humaneval")
-# Short names -> lm-eval task names. Variants: `gpqa_cot`, `math_hendrycks`, `math500`; other names pass through.
-TASK_ALIASES = {
-    "gpqa": "gpqa_diamond_zeroshot",
-    "gpqa_cot": "gpqa_diamond_cot_zeroshot",
-    "math": "minerva_math",
-    "math_hendrycks": "hendrycks_math",
-    "math500": "minerva_math500",
-    "humaneval": "humaneval",
-}
 # lm-eval task -> (its offline twin in TASKS_DIR, the file that twin reads from the data folder, if any)
 OFFLINE_TWINS = {
     "gpqa_diamond_zeroshot": ("offline_gpqa_diamond_zeroshot", "gpqa_diamond.csv"),
@@ -67,7 +55,8 @@ OFFLINE_TWINS = {
     "humaneval": ("offline_humaneval", None),
 }
 CODE_EXECUTION_TASKS = {"humaneval", "offline_humaneval"}
-EVAL_DTYPES = {**DTYPES, "float16": torch.float16, "auto": "auto"}
+# `--dtype` -> what from_pretrained takes
+DTYPES = {name: name if name == "auto" else getattr(torch, name) for name in EVAL_DTYPES}
 LABELS = ("source", "attnres")  # result files and table columns: the baseline, then the evaluated model
 BOOTSTRAP_ITERS = 1000  # for the stderr of metrics without a closed form (means have one)
 
@@ -245,7 +234,7 @@ def load_model(
     """The model on `device` and a tokenizer whose pad token differs from EOS; EvalError if it does not load."""
     if isinstance(model, (str, os.PathLike)):
         try:
-            model, tokenizer = load_pretrained(str(model), EVAL_DTYPES[dtype])
+            model, tokenizer = load_pretrained(str(model), DTYPES[dtype])
         except Exception as error:  # any failure to load is the user's to fix: say which model and why
             raise EvalError(f"cannot load the model {str(model)!r}: {type(error).__name__}: {error}") from error
     elif tokenizer is None:
@@ -477,21 +466,8 @@ def evaluate(
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    report = evaluate(
-        args.model,
-        baseline=args.baseline,
-        tasks=[task.strip() for task in args.tasks.split(",") if task.strip()],
-        output_dir=args.output,
-        limit=args.limit,
-        batch_size=args.batch_size,
-        dtype=args.dtype,
-        device=args.device,
-        allow_code_execution=args.allow_code_execution,
-        offline=args.offline,
-        data_dir=args.data_dir,
-        log_samples=args.log_samples,
-        max_gen_toks=args.max_gen_toks,
-    )
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    report = evaluate(**parameters_from(args, evaluate) | {"tasks": tasks, "output_dir": args.output})
     print(report.to_markdown())
     print(f"Results and summary in {args.output}")
     return 0

