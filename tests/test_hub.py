@@ -7,17 +7,14 @@ import shutil
 import socket
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
-from io import StringIO
 from pathlib import Path
 
 import datasets
 import pytest
 from hub_stub import HubStub
 from huggingface_hub import constants
-from tiny import tiny_source_model, tiny_tokenizer
+from tiny import run_cli, tiny_source_model, tiny_tokenizer
 
-from attnres.cli import main
 from attnres.conversion import convert_checkpoint
 from attnres.training import train
 
@@ -68,13 +65,6 @@ def hub(monkeypatch):
         monkeypatch.setattr(constants, "ENDPOINT", stub.endpoint)
         monkeypatch.setenv("HF_TOKEN", "hf_fake_token")
         yield stub
-
-
-def run_cli(*argv) -> tuple[int, str, str]:
-    stdout, stderr = StringIO(), StringIO()
-    with redirect_stdout(stdout), redirect_stderr(stderr):
-        exit_code = main([str(arg) for arg in argv])
-    return exit_code, stdout.getvalue(), stderr.getvalue()
 
 
 def files_on_disk(folder: Path) -> dict[str, bytes]:

@@ -6,15 +6,11 @@ import importlib.util
 import os
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
-from io import StringIO
 from pathlib import Path
 
 import pytest
 import torch
-from tiny import tiny_source_model, tiny_tokenizer
-
-from attnres import cli
+from tiny import run_cli, tiny_source_model, tiny_tokenizer
 
 ATTNRES_COMMAND = str(Path(sys.executable).with_name("attnres"))  # the console script
 OFFLINE_EVAL = ("--tasks", "gpqa", "--offline", "--data-dir", "fixtures")
@@ -50,13 +46,6 @@ def work(inputs, tmp_path) -> Path:
 def files(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` (links not followed) by its relative path, with its bytes."""
     return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
-
-
-def run_cli(*argv) -> tuple[int, str]:
-    stderr = StringIO()
-    with redirect_stdout(StringIO()), redirect_stderr(stderr):
-        exit_code = cli.main([str(arg) for arg in argv])
-    return exit_code, stderr.getvalue()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -107,7 +96,7 @@ def test_no_command_writes_onto_into_or_around_what_it_reads(case, inputs, work,
     argv, refusal = REFUSALS[case]
     monkeypatch.chdir(work)
     before = files(inputs), files(work)
-    exit_code, error = run_cli(*(arg.format(inputs=inputs) for arg in argv))
+    exit_code, _, error = run_cli(*(arg.format(inputs=inputs) for arg in argv))
     assert exit_code == 1 and error.count("\n") == 1, error
     assert refusal in error and "choose another output folder" in error, error
     assert (files(inputs), files(work)) == before  # the same files with the same bytes, and nothing added
@@ -128,7 +117,7 @@ def test_the_current_folder_is_no_output(argv, inputs, work, monkeypatch):
     """Neither --overwrite nor --resume lets a command replace, fill or wrap the folder the user works in."""
     monkeypatch.chdir(work)
     before = files(work.parent)
-    exit_code, error = run_cli(*argv)
+    exit_code, _, error = run_cli(*argv)
     relation = "contains" if argv[2] == ".." else "is"
     assert exit_code == 1 and f"{relation} the current folder" in error and "name a new folder" in error, error
     assert files(work.parent) == before

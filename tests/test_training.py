@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedToken
 
 from attnres import AttnResForCausalLM
 from attnres.data import DataError, pack, stdlib_source_files
+from attnres.folders import read_metrics
 from attnres.modeling_attnres import AttnResDecoderLayer
 from attnres.training import TrainingError, train
 
@@ -91,10 +92,6 @@ def run(output_dir: Path, model: Path, dataset: Path, **options):
     return train(output_dir=str(output_dir), model=str(model), dataset=str(dataset), **{**TINY_RUN, **options})
 
 
-def records(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def without_timings(logged: list[dict]) -> list[dict]:
     """The records less what differs between runs: timings, and how each start of the run was distributed."""
     varying = ("tokens_per_second", "distribution")
@@ -120,7 +117,7 @@ def test_short_run_lowers_held_out_loss(convert, checkpoints, data_files, tmp_pa
     result = run(
         tmp_path, checkpoints["source"], data_files["jsonl"], convert=convert, max_steps=16, eval_every=8, save_every=8
     )
-    logged = records(tmp_path)
+    logged = read_metrics(tmp_path)
     held_out = [record["eval_loss"] for record in logged if "eval_loss" in record]
     print(f"held-out loss, converted={convert}: {' -> '.join(f'{loss:.3f}' for loss in held_out)}")
     assert [record["step"] for record in logged if "eval_loss" in record] == [0, 8, 16]
@@ -173,7 +170,7 @@ def test_resume_continues_exactly(checkpoints, data_files, tmp_path, monkeypatch
 
     resumed = run(tmp_path / "resumed", checkpoints["attnres"], data_files["small"], resume=True, **options)
     assert resumed.step == 8 and not resumed.interrupted
-    assert without_timings(records(tmp_path / "resumed")) == without_timings(records(tmp_path / "straight"))
+    assert without_timings(read_metrics(tmp_path / "resumed")) == without_timings(read_metrics(tmp_path / "straight"))
     assert straight.metrics["epoch"] == 1  # about 9 micro-batches per epoch: the run crossed into the second
     weight_diff = max_abs_diff(weights(tmp_path / "straight"), weights(tmp_path / "resumed"))
     print(f"resume: final loss {straight.metrics['loss']:.6f} vs {resumed.metrics['loss']:.6f}, weights {weight_diff}")
@@ -231,7 +228,8 @@ def test_two_cpu_processes_train_one_model_on_different_data(
     # 3 steps x 2 micro-batches x 4 sequences each, none of them shared between the ranks
     assert len(rank0["sequences"]) == len(rank1["sequences"]) == 24
     assert not set(rank0["sequences"]) & set(rank1["sequences"])
-    assert records(tmp_path / "out")[-1]["tokens"] == 3 * 2 * 2 * 4 * TINY_RUN["seq_len"]  # steps, micro, ranks, batch
+    tokens = 3 * 2 * 2 * 4 * TINY_RUN["seq_len"]  # steps, micro, ranks, batch
+    assert read_metrics(tmp_path / "out")[-1]["tokens"] == tokens
 
 
 def test_train_attnres_changes_only_attnres_parameters(checkpoints, data_files, tmp_path):

@@ -1,12 +1,17 @@
-"""Tiny randomly initialised source models of every supported family, for tests."""
+"""What tests share: tiny randomly initialised source models of every supported family, their AttnRes twins, a
+tokenizer for them and their token ids, and the `attnres` command run in-process."""
 
 import string
+from contextlib import redirect_stderr, redirect_stdout
+from io import StringIO
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, PreTrainedTokenizerFast
 
 import attnres
+from attnres.auto import is_attnres_parameter
+from attnres.cli import main
 
 VOCAB = 96
 COMMON = dict(
@@ -21,6 +26,7 @@ COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+# Each supported family's settings beside COMMON (tests/test_architecture.py checks that none is missing)
 FAMILY_OVERRIDES = {
     "llama": dict(tie_word_embeddings=True),
     "mistral": dict(sliding_window=6),
@@ -62,7 +68,6 @@ FAMILY_OVERRIDES = {
         tie_word_embeddings=True,
     ),
 }
-FAMILIES = tuple(FAMILY_OVERRIDES)
 ALTERNATING_LAYER_TYPES = ("gemma3_text", "ministral")
 # `attnres train` options for a tiny model on a tiny corpus: a few seconds per run on one CPU core
 TINY_RUN = dict(
@@ -97,13 +102,38 @@ def tiny_source_model(family: str, num_layers: int = 5, seed: int = 0, **overrid
     return AutoModelForCausalLM.from_config(tiny_source_config(family, num_layers, **overrides)).eval()
 
 
+def tiny_gemma3_multimodal():
+    """A Gemma3ForConditionalGeneration: the tiny Gemma3 text model plus a one-layer vision tower.
+
+    Its image tokens get ids of their own, beyond the tokenizer's, so that text never contains them. No final logit
+    softcapping, as in the Hub's Gemma3 configs: Gemma3ForConditionalGeneration (transformers 5.24) would ignore it.
+    """
+    config = Gemma3Config(
+        text_config=tiny_source_config("gemma3_text", vocab_size=VOCAB + 3, final_logit_softcapping=None).to_dict(),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=VOCAB,
+        eoi_token_index=VOCAB + 1,
+        image_token_index=VOCAB + 2,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
 def attnres_twin(source, seed: int | None = None, **attnres_settings) -> attnres.AttnResForCausalLM:
     """An AttnRes model holding the source's weights; with `seed`, random non-zero queries and key gains."""
     config = attnres.AttnResConfig(text_config=source.config.to_dict(), **attnres_settings)
     model = attnres.AttnResForCausalLM(config).eval()
     result = model.load_state_dict(source.state_dict(), strict=False)
     assert not result.unexpected_keys, result.unexpected_keys
-    assert all("_res_" in key for key in result.missing_keys), result.missing_keys
+    assert all(is_attnres_parameter(key) for key in result.missing_keys), result.missing_keys
     if seed is not None:
         randomize_depth_parameters(model, seed)
     return model
@@ -130,3 +160,11 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     )
+
+
+def run_cli(*argv) -> tuple[int, str, str]:
+    """`attnres ARGV...` in this process (fast) -> its exit status, what it printed on stdout, and on stderr."""
+    stdout, stderr = StringIO(), StringIO()
+    with redirect_stdout(stdout), redirect_stderr(stderr):
+        exit_code = main([str(arg) for arg in argv])
+    return exit_code, stdout.getvalue(), stderr.getvalue()
