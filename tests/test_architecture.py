@@ -1,0 +1,117 @@
+"""The house keeps the plan of docs/architecture.md: imports point down its table of rooms and never in a circle, every
+module has its row, the model files import only what travels with them, the light rooms only the standard library,
+and each fact that the model files must state for themselves (the families) agrees with the rest."""
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+from tiny import FAMILY_OVERRIDES
+
+from attnres.configuration_attnres import SUPPORTED_FAMILIES
+from attnres.modeling_attnres import FAMILIES
+
+ROOT = Path(__file__).parents[1]
+PACKAGE = ROOT / "attnres"
+REMOTE_CODE = {"attnres.configuration_attnres", "attnres.modeling_attnres"}
+REMOTE_CODE_DEPENDENCIES = {"torch", "transformers", "packaging"}
+LIGHT = {"attnres.options", "attnres.folders"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imported(module: str) -> set[str]:
+    """What `module` imports, anywhere in it (inside functions too): the package's modules it names, and the top-level
+    names of everything else."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            # `from . import data` names a module; `from .cards import model_card` a name in one
+            names.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names)
+    return {name if name in MODULES else name.partition(".")[0] for name in names}
+
+
+def rooms() -> list[str]:
+    """The paths in the first column of docs/architecture.md's table, from the top floor down."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    return re.findall(r"^\| `(attnres/[^`]*)` \|", text, flags=re.MULTILINE)
+
+
+def floors() -> dict[str, int]:
+    """Each module of the package -> the row of its room (0 = the top floor): its file's own row, else its folder's."""
+    paths = rooms()
+    floor = {}
+    for module, path in MODULES.items():
+        relative = path.relative_to(ROOT).as_posix()
+        folders = [room for room in paths if room.endswith("/") and relative.startswith(room)]
+        room = relative if relative in paths else max(folders, key=len, default=None)
+        assert room is not None, f"{relative} has no row in docs/architecture.md"
+        floor[module] = paths.index(room)
+    return floor
+
+
+def test_every_room_of_the_table_exists_and_every_module_has_one():
+    for room in rooms():
+        assert (ROOT / room).exists(), f"docs/architecture.md names {room}, which does not exist"
+    assert len(floors()) == len(MODULES)
+
+
+def test_imports_point_down_the_table():
+    floor = floors()
+    upward = [
+        f"{module} imports {target}"
+        for module in MODULES
+        for target in imported(module) & MODULES.keys()
+        if floor[target] < floor[module]
+    ]
+    assert not upward, upward
+
+
+def test_no_import_circle():
+    graph = {module: imported(module) & MODULES.keys() for module in MODULES}
+    done, path = set(), []
+
+    def visit(module: str) -> None:
+        assert module not in path, "import circle: " + " -> ".join(path[path.index(module) :] + [module])
+        if module in done:
+            return
+        path.append(module)
+        for target in sorted(graph[module] - {module}):
+            visit(target)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_the_model_files_import_only_what_travels_with_them():
+    for module in REMOTE_CODE:
+        outside = imported(module) - REMOTE_CODE - REMOTE_CODE_DEPENDENCIES - sys.stdlib_module_names
+        assert not outside, (module, outside)
+
+
+def test_the_light_rooms_import_only_the_standard_library():
+    for module in LIGHT:
+        assert imported(module) <= sys.stdlib_module_names, (module, imported(module) - sys.stdlib_module_names)
+
+
+def test_the_family_table_and_the_tiny_models_cover_exactly_the_supported_families():
+    assert len(set(SUPPORTED_FAMILIES)) == len(SUPPORTED_FAMILIES)
+    assert set(FAMILIES) == set(SUPPORTED_FAMILIES), "modeling_attnres.FAMILIES: one entry per supported family"
+    assert set(FAMILY_OVERRIDES) == set(SUPPORTED_FAMILIES), "tests/tiny.py: tiny settings for every supported family"
