@@ -40,6 +40,7 @@ SUPPORTED_FAMILIES = (
     "phi3",
     "granite",
     "glm4",
+    "gemma2",
 )
 # Families that normalise after the residual add: their sublayers do not start with a norm, so a mixture over depth
 # would change what they read (AttnRes needs PreNorm, paper §3).

@@ -56,8 +56,9 @@ class VerificationReport:
     greedy_tokens: int  # tokens each model generated greedily
     greedy_tokens_agreeing: int  # leading generated tokens that are identical
     max_abs_source_logit: float = 0.0  # the largest logit of the source, in magnitude
-    # float32: the source against itself with its attention in a second implementation; None where it has only one
-    noise_implementations: str | None = None  # "sdpa vs eager"
+    # float32: the source against itself with its attention in a second implementation ("sdpa vs eager"), or in
+    # float64 where it has only one ("float32 vs float64"); None in reports written before that fallback
+    noise_implementations: str | None = None
     noise_max_abs_logit_diff: float = 0.0
     noise_nll_diff: float = 0.0
     random_token_ids: bool = False  # run on fixed random token ids: the source had no tokenizer to encode the text
@@ -179,20 +180,24 @@ def _abs_diff(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, flo
 @torch.no_grad()
 def _attention_noise(model: PreTrainedModel, input_ids: torch.Tensor, run: _Run) -> tuple[str | None, float, float]:
     """(implementations, max abs logit diff, NLL diff): how far the model's figures in `run` move when its attention
-    runs in a second implementation (eager for sdpa and the rest, sdpa for eager). None and zeros for a model that
-    supports only one."""
+    runs in a second implementation (eager for sdpa and the rest, sdpa for eager). A model with only one that runs
+    here (Gemma2's softcapping and GPT-OSS's sinks have no sdpa) is measured against itself in float64 instead: its
+    own float32 rounding, on a float64 copy of the weights (twice their memory, while it runs)."""
     current = model.config._attn_implementation
     other = "sdpa" if current == "eager" else "eager"
     try:
         model.set_attn_implementation(other)
     except (ValueError, ImportError):
-        return None, 0.0, 0.0
-    try:
-        logits = model(input_ids=input_ids).logits[0].float()
-    finally:
-        model.set_attn_implementation(current)
+        logits = copy.deepcopy(model).to(torch.float64)(input_ids=input_ids).logits[0]
+        implementations = "float32 vs float64"
+    else:
+        try:
+            logits = model(input_ids=input_ids).logits[0].float()
+        finally:
+            model.set_attn_implementation(current)
+        implementations = f"{current} vs {other}"
     nll_diff = abs(F.cross_entropy(logits[:-1], input_ids[0, 1:]).item() - run.nll)
-    return f"{current} vs {other}", (logits - run.logits).abs().max().item(), nll_diff
+    return implementations, (logits - run.logits).abs().max().item(), nll_diff
 
 
 def _leading_agreement(first: torch.Tensor, second: torch.Tensor) -> int:

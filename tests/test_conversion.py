@@ -263,7 +263,9 @@ def test_correct_conversion_of_a_model_with_large_logits_passes():
     assert "4 x the source's own noise" in report.format() and "attention sdpa vs eager" in report.to_markdown()
 
 
-def test_a_source_with_one_attention_implementation_is_held_to_float32_steps(monkeypatch):
+def test_a_source_with_one_attention_implementation_calibrates_on_float64(monkeypatch):
+    """Without a second attention implementation (Gemma2, GPT-OSS) the source's noise is its float32 rounding: its
+    logits against a float64 run of the same weights, never a bare float32 step that would refuse correct models."""
     source = tiny_source_model("llama", num_layers=2)
     model = convert_to_attnres(copy.deepcopy(source))
 
@@ -272,10 +274,11 @@ def test_a_source_with_one_attention_implementation_is_held_to_float32_steps(mon
 
     monkeypatch.setattr(source, "set_attn_implementation", only_sdpa)
     report = verify_conversion(source, model, tiny_tokenizer(), new_tokens=4)
-    assert report.noise_implementations is None and report.noise_max_abs_logit_diff == 0
+    assert report.noise_implementations == "float32 vs float64" and report.noise_max_abs_logit_diff > 0
     step = torch.finfo(torch.float32).eps * report.max_abs_source_logit
-    assert report.max_abs_logit_diff_allowed == verification.NOISE_FACTOR * step
-    assert report.passed and "attention a second implementation (none available)" in report.format()
+    allowed = verification.NOISE_FACTOR * max(report.noise_max_abs_logit_diff, step)
+    assert report.max_abs_logit_diff_allowed == allowed
+    assert report.passed and "attention float32 vs float64" in report.format()
 
 
 def without_source_count_rescale(model):

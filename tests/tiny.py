@@ -60,6 +60,14 @@ FAMILY_OVERRIDES = {
         tie_word_embeddings=True,
     ),
     "glm4": dict(),  # rotates half the head dimension by default
+    "gemma2": dict(
+        sliding_window=6,
+        layer_types=None,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0,  # reached by the scaled-up tiny weights
+        final_logit_softcapping=3.0,
+        tie_word_embeddings=True,
+    ),
     "gemma3_text": dict(
         sliding_window=6,
         layer_types=None,
@@ -68,7 +76,7 @@ FAMILY_OVERRIDES = {
         tie_word_embeddings=True,
     ),
 }
-ALTERNATING_LAYER_TYPES = ("gemma3_text", "ministral")
+ALTERNATING_LAYER_TYPES = ("gemma2", "gemma3_text", "ministral")
 # `attnres train` options for a tiny model on a tiny corpus: a few seconds per run on one CPU core
 TINY_RUN = dict(
     seq_len=32,
