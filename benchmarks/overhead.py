@@ -252,7 +252,7 @@ def saved_memory_ratio(
         model.to(device, dtype).train()
         if setting.startswith("gradient checkpointing"):
             reentrant = setting.endswith("(reentrant)")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            model.activation_checkpointing_enable({"use_reentrant": reentrant})
         measured.append(saved_activation_bytes(model, ids, autocast))
     return measured[0] / measured[1]
 

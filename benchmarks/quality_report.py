@@ -35,6 +35,10 @@ def signed_spread(values: list[float]) -> str:
     return f"{statistics.mean(values):+.4f} ± {statistics.stdev(values):.4f}"
 
 
+def seeds(count: int) -> str:
+    return f"{count} seed" + ("s" if count != 1 else "")
+
+
 def short_count(count: int) -> str:
     return f"{count / 1e6:.2f}M" if count >= 10**6 else f"{count / 1e3:.0f}k" if count >= 10**4 else f"{count:,}"
 
@@ -128,7 +132,9 @@ def gap_table(groups: dict, size: str) -> str:
             continue
         columns = tokens
         means = [statistics.mean(seed_gaps[i] for seed_gaps in gaps) for i in range(len(tokens))]
-        rows.append([f"{SCRATCH_VARIANTS[variant]} − PreNorm ({len(gaps)} seeds)"] + [f"{m:+.3f}" for m in means])
+        rows.append(
+            [f"{SCRATCH_VARIANTS[variant]} − PreNorm ({seeds(len(gaps))})"] + [f"{m + 0.0:+.3f}" for m in means]
+        )
     if columns is None:
         return ""
     header = ["tokens seen"] + [short_count(t) for t in columns]
@@ -145,7 +151,7 @@ def plot_scratch(runs: list[dict], path: Path) -> None:
             if not gaps:
                 continue
             columns = list(zip(*gaps, strict=True))
-            label = f"{SCRATCH_VARIANTS[variant]} − PreNorm ({len(gaps)} seeds)"
+            label = f"{SCRATCH_VARIANTS[variant]} − PreNorm ({seeds(len(gaps))})"
             axes.plot(tokens, [statistics.mean(c) for c in columns], "o-", color=f"C{index + 1}", label=label, ms=3)
             axes.fill_between(
                 tokens, [min(c) for c in columns], [max(c) for c in columns], color=f"C{index + 1}", alpha=0.2
@@ -224,7 +230,7 @@ def plot_cpt(runs: list[dict], study: str, title: str, path: Path) -> None:
         group = list(groups[size, variant].values())
         tokens = [point[0] for point in group[0]["curve"]]
         columns = list(zip(*[[loss for _, loss in run["curve"]] for run in group], strict=True))
-        label = f"{group[0]['label']} ({len(group)} seeds)"
+        label = f"{group[0]['label']} ({seeds(len(group))})"
         curves_axes.plot(tokens, [statistics.mean(c) for c in columns], "o-", color=f"C{index}", label=label, ms=3)
         curves_axes.fill_between(
             tokens, [min(c) for c in columns], [max(c) for c in columns], color=f"C{index}", alpha=0.15
