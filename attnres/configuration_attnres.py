@@ -41,10 +41,13 @@ SUPPORTED_FAMILIES = (
     "granite",
     "glm4",
     "gemma2",
+    "olmo2",
+    "olmo3",
+    "exaone4",
 )
 # Families that normalise after the residual add: their sublayers do not start with a norm, so a mixture over depth
 # would change what they read (AttnRes needs PreNorm, paper §3).
-POST_NORM_FAMILIES = ("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert", "olmo2", "olmo3")
+POST_NORM_FAMILIES = ("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert")
 MODES = ("block", "full")
 IMPLEMENTATIONS = ("two_phase", "naive")
 DEFAULT_NUM_BLOCKS = 8

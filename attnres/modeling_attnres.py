@@ -112,6 +112,9 @@ FAMILIES = {
     "glm4": Family(
         "glm4", "Glm4", attention_output_norm="post_self_attn_layernorm", mlp_output_norm="post_mlp_layernorm"
     ),
+    "olmo2": Family("olmo2", "Olmo2", **OUTPUT_NORMS_ONLY),
+    "olmo3": Family("olmo3", "Olmo3", **OUTPUT_NORMS_ONLY, rope_per_layer_type=True),
+    "exaone4": Family("exaone4", "Exaone4", **OUTPUT_NORMS_ONLY),
     "gemma2": Family("gemma2", "Gemma2", **SANDWICH_NORMS, scaled_embedding=True),  # eager: softcapped attention
     "gemma3_text": Family("gemma3", "Gemma3", **SANDWICH_NORMS, scaled_embedding=True, rope_per_layer_type=True),
 }

@@ -55,7 +55,7 @@ def test_conversion_reproduces_the_source_within_its_noise(family):
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
 def test_cache_and_two_phase_change_nothing(family):
     """With trained-looking (random) depth parameters: greedy generation with the cache equals generation without it,
-    and the two-phase path gives the naive path's logits and gradients."""
+    and the two-phase path gives the naive path's logits and gradients up to float32 rounding."""
     model = attnres_twin(perturbed_source(family), seed=2, attnres_block_size=2)
     prompt = random_ids(batch=1, length=7)
     kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
@@ -63,23 +63,32 @@ def test_cache_and_two_phase_change_nothing(family):
     uncached = model.generate(prompt, use_cache=False, **kwargs)
     assert torch.equal(cached, uncached)
 
-    ids, results = random_ids(length=12), {}
-    model.train()
+    # Two-phase vs naive: the fast path no further from the naive computation in float64 than the naive one in float32
+    # (the scaled-up weights amplify float32 rounding to 1e-6..1e-3 of the scale, depending on the family; dropout off)
+    ids = random_ids(length=12)
+    exact_logits, exact = logits_and_gradients(copy.deepcopy(model).double(), ids, "naive")
+    errors = {}
     for implementation in ("naive", "two_phase"):
-        model.config.attnres_implementation = implementation
-        model.zero_grad()
-        torch.manual_seed(0)
-        logits = model(ids).logits
-        logits.float().square().mean().backward()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        results[implementation] = logits.detach(), grads
-    (naive_logits, naive_grads), (fast_logits, fast_grads) = results["naive"], results["two_phase"]
-    scale = naive_logits.abs().max().item()
-    assert (naive_logits - fast_logits).abs().max().item() <= 1e-5 * max(1.0, scale)
-    assert naive_grads.keys() == fast_grads.keys()
-    for name in naive_grads:
-        bound = 1e-5 * max(1.0, naive_grads[name].abs().max().item())
-        assert (naive_grads[name] - fast_grads[name]).abs().max().item() <= bound, name
+        logits, grads = logits_and_gradients(model, ids, implementation)
+        assert grads.keys() == exact.keys()
+        errors[implementation] = max(
+            relative_error(logits, exact_logits), *(relative_error(grads[name], exact[name]) for name in exact)
+        )
+    print(f"{family}: error relative to float64, naive {errors['naive']:.2e}, two-phase {errors['two_phase']:.2e}")
+    assert errors["two_phase"] <= 2 * errors["naive"] + 1e-6
+
+
+def logits_and_gradients(model, ids, implementation: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.config.attnres_implementation = implementation
+    model.zero_grad()
+    logits = model(ids).logits
+    logits.square().mean().backward()
+    grads = {name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None}
+    return logits.detach().double(), grads
+
+
+def relative_error(values: torch.Tensor, exact: torch.Tensor) -> float:
+    return (values - exact).abs().max().item() / max(1.0, exact.abs().max().item())
 
 
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)

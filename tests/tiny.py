@@ -60,6 +60,10 @@ FAMILY_OVERRIDES = {
         tie_word_embeddings=True,
     ),
     "glm4": dict(),  # rotates half the head dimension by default
+    # Output norms and no input norms; sliding layers in OLMo-3 and EXAONE-4
+    "olmo2": dict(),
+    "olmo3": dict(sliding_window=6),
+    "exaone4": dict(sliding_window=6, sliding_window_pattern=2),
     "gemma2": dict(
         sliding_window=6,
         layer_types=None,
