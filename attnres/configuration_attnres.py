@@ -44,6 +44,8 @@ SUPPORTED_FAMILIES = (
     "olmo2",
     "olmo3",
     "exaone4",
+    "gpt_oss",
+    "deepseek_v3",
 )
 # Families that normalise after the residual add: their sublayers do not start with a norm, so a mixture over depth
 # would change what they read (AttnRes needs PreNorm, paper §3).

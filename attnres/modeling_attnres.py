@@ -115,6 +115,8 @@ FAMILIES = {
     "olmo2": Family("olmo2", "Olmo2", **OUTPUT_NORMS_ONLY),
     "olmo3": Family("olmo3", "Olmo3", **OUTPUT_NORMS_ONLY, rope_per_layer_type=True),
     "exaone4": Family("exaone4", "Exaone4", **OUTPUT_NORMS_ONLY),
+    "gpt_oss": Family("gpt_oss", "GptOss", num_experts_key="num_local_experts", mlp_returns_tuple=True),  # eager: sinks
+    "deepseek_v3": Family("deepseek_v3", "DeepseekV3"),  # MLA, dense first layers then routed + shared experts
     "gemma2": Family("gemma2", "Gemma2", **SANDWICH_NORMS, scaled_embedding=True),  # eager: softcapped attention
     "gemma3_text": Family("gemma3", "Gemma3", **SANDWICH_NORMS, scaled_embedding=True, rope_per_layer_type=True),
 }

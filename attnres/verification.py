@@ -188,7 +188,11 @@ def _attention_noise(model: PreTrainedModel, input_ids: torch.Tensor, run: _Run)
     try:
         model.set_attn_implementation(other)
     except (ValueError, ImportError):
-        logits = copy.deepcopy(model).to(torch.float64)(input_ids=input_ids).logits[0]
+        reference = copy.deepcopy(model).to(torch.float64)
+        if reference.config._experts_implementation not in (None, "eager"):
+            reference.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+        logits = reference(input_ids=input_ids).logits[0]
+        del reference
         implementations = "float32 vs float64"
     else:
         try:

@@ -64,6 +64,38 @@ FAMILY_OVERRIDES = {
     "olmo2": dict(),
     "olmo3": dict(sliding_window=6),
     "exaone4": dict(sliding_window=6, sliding_window_pattern=2),
+    # Attention sinks, sliding layers, an MoE that returns (output, router scores); YaRN scaled to the tiny context
+    "gpt_oss": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            original_max_position_embeddings=8,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        ),
+    ),
+    # Multi-head latent attention; layer 0 dense, then 4 routed experts and a shared one
+    "deepseek_v3": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+        num_key_value_heads=4,  # MLA keys have one head per query head
+    ),
     "gemma2": dict(
         sliding_window=6,
         layer_types=None,
