@@ -47,36 +47,79 @@ SUPPORTED_FAMILIES = (
     "gpt_oss",
     "deepseek_v3",
 )
-# Families that normalise after the residual add: their sublayers do not start with a norm, so a mixture over depth
-# would change what they read (AttnRes needs PreNorm, paper §3).
-POST_NORM_FAMILIES = ("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert")
+# Architectures that cannot convert exactly, refused by name (`model_type`) with what they have and why. AttnRes needs
+# two sequential sublayers per layer, each reading the residual stream (through its own input norm, or raw) and adding
+# its output to it: a depth mixture then replaces exactly what each sublayer read (paper §3).
+POST_NORM = (
+    "a post-norm architecture; AttnRes needs PreNorm sublayers. It normalises after the residual add, so no sublayer "
+    "reads the residual stream that a depth mixture would replace"
+)
+PARALLEL = (
+    "parallel attention and MLP: both read the same input and their outputs join one residual add, so a layer has no "
+    "second sublayer input for a depth mixture to form"
+)
+HYBRID = (
+    "a hybrid decoder with linear-attention or state-space layers and their own recurrent caches; its conversion is "
+    "not yet verified to be exact with cached generation, so it is refused rather than half supported"
+)
+ENCODER = "an encoder or encoder-decoder: AttnRes wraps causal decoders (and converts their text model)"
+REFUSED_FAMILIES = {
+    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"), POST_NORM),
+    **dict.fromkeys(("cohere", "cohere2", "gptj", "codegen", "phi"), PARALLEL),
+    **dict.fromkeys(
+        ("qwen3_next", "lfm2", "lfm2_moe", "falcon_h1", "kimi_linear", "jamba", "granitemoehybrid"), HYBRID
+    ),
+    **dict.fromkeys(("mamba", "mamba2"), "a state-space model without attention sublayers"),
+    **dict.fromkeys(("t5", "bart", "mbart", "whisper"), ENCODER),
+}
+POST_NORM_FAMILIES = tuple(family for family, reason in REFUSED_FAMILIES.items() if reason == POST_NORM)
 MODES = ("block", "full")
 IMPLEMENTATIONS = ("two_phase", "naive")
 DEFAULT_NUM_BLOCKS = 8
 
 
+def _refusal(text_config: PreTrainedConfig) -> str | None:
+    """Why a source architecture cannot convert exactly, from its config alone; None where nothing says so."""
+    model_type = text_config.model_type
+    if model_type == "opt" and not getattr(text_config, "do_layer_norm_before", True):
+        return POST_NORM
+    if model_type == "gpt_neox" and getattr(text_config, "use_parallel_residual", True):
+        return PARALLEL
+    if model_type == "stablelm" and getattr(text_config, "use_parallel_residual", False):
+        return PARALLEL
+    if model_type == "falcon" and (
+        getattr(text_config, "parallel_attn", True) or getattr(text_config, "new_decoder_architecture", False)
+    ):
+        return PARALLEL
+    if model_type not in SUPPORTED_FAMILIES and getattr(text_config, "is_encoder_decoder", False):
+        return ENCODER
+    return REFUSED_FAMILIES.get(model_type)
+
+
 def _check_family(text_config: PreTrainedConfig) -> None:
     model_type = text_config.model_type
     supported = ", ".join(SUPPORTED_FAMILIES)
-    if model_type in POST_NORM_FAMILIES or (model_type == "opt" and not text_config.do_layer_norm_before):
-        raise ValueError(
-            f"text_config: '{model_type}' is a post-norm architecture; AttnRes needs PreNorm sublayers. "
-            f"Supported families: {supported}."
-        )
+    reason = _refusal(text_config)
+    if reason is not None:
+        raise ValueError(f"text_config: '{model_type}' is {reason}. Supported families: {supported}.")
     if model_type == "gemma3":
         raise ValueError(
             "text_config: 'gemma3' is the multimodal Gemma3 config; pass its text part (`config.text_config`, "
             f"model_type 'gemma3_text'). Supported families: {supported}."
         )
     if model_type not in SUPPORTED_FAMILIES:
-        raise ValueError(f"text_config: unsupported family '{model_type}'. Supported families: {supported}.")
+        raise ValueError(
+            f"text_config: unsupported family '{model_type}': no row of AttnRes's family table says how its decoder "
+            f"layer runs, so its conversion could not be shown exact. Supported families: {supported}."
+        )
 
 
 class AttnResConfig(PreTrainedConfig):
     r"""
     Args:
         text_config (`dict` or `PreTrainedConfig`):
-            The full config of the source architecture (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma3 text).
+            The full config of the source architecture, one of `SUPPORTED_FAMILIES` (its `model_type`). Others are
+            refused, naming why (post-norm, parallel attention and MLP, hybrid, encoder, or no family row).
         attnres_mode (`str`, defaults to `"block"`):
             `"block"`: each sublayer attends over the token embedding, the sums of the completed blocks and the
             partial sum of the current block. `"full"`: each sublayer attends over the embedding and every earlier

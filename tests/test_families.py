@@ -13,9 +13,10 @@ import textwrap
 import pytest
 import torch
 from tiny import attnres_twin, random_ids, tiny_source_model, tiny_tokenizer
+from transformers import AutoConfig
 
 from attnres.configuration_attnres import SUPPORTED_FAMILIES
-from attnres.conversion import convert_to_attnres, verify_conversion
+from attnres.conversion import ConversionError, attnres_config_for, convert_to_attnres, verify_conversion
 from attnres.modeling_attnres import FAMILIES
 
 SCALED_INIT = 0.1  # initializer_range: 5x the configs' 0.02, so that every sublayer moves the stream
@@ -104,6 +105,32 @@ def test_training_steps_lower_the_loss(family):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize(
+    "model_type, settings, reason",
+    [
+        ("bert", {}, "post-norm architecture"),
+        ("opt", dict(do_layer_norm_before=False), "post-norm architecture"),
+        ("cohere", {}, "parallel attention and MLP"),
+        ("gpt_neox", {}, "parallel attention and MLP"),
+        ("falcon", {}, "parallel attention and MLP"),
+        ("phi", {}, "parallel attention and MLP"),
+        ("qwen3_next", {}, "hybrid decoder"),
+        ("lfm2", {}, "hybrid decoder"),
+        ("falcon_h1", {}, "hybrid decoder"),
+        ("kimi_linear", {}, "hybrid decoder"),
+        ("t5", {}, "encoder"),
+        ("gpt2", {}, "unsupported family 'gpt2': no row"),
+    ],
+)
+def test_other_architectures_are_refused_by_name_with_the_reason(model_type, settings, reason):
+    """From the config alone, before any weights load: what the architecture has, why, and what is supported."""
+    with pytest.raises(ConversionError) as error:
+        attnres_config_for(AutoConfig.for_model(model_type, **settings))
+    message = str(error.value)
+    assert f"'{model_type}'" in message and reason in message, message
+    assert f"Supported families: {', '.join(SUPPORTED_FAMILIES)}." in message
 
 
 ROUND_TRIP = """
