@@ -176,7 +176,7 @@ def test_generate_with_and_without_cache(family):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
 def test_left_padded_batch_matches_single_prompts(family):
     model = attnres_twin(tiny_source_model(family), seed=4)
-    prompts = [random_ids(1, n, seed=n)[0] for n in (5, 9, 12)]
+    prompts = [random_ids(batch=1, length=n, seed=n)[0] for n in (5, 9, 12)]
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
