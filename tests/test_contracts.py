@@ -146,10 +146,11 @@ def test_offloaded_device_map_gives_the_plain_logits(tmp_path):
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_compiled_fullgraph_forward_and_training_step_equal_eager(mode, one_thread):
+@pytest.mark.parametrize("mode, recompute", [("block", False), ("full", False), ("block", True)])
+def test_compiled_fullgraph_forward_and_training_step_equal_eager(mode, recompute, one_thread):
     torch._dynamo.reset()
     model, ids = small_model(mode, num_layers=3).train(), random_ids()
+    model.config.attnres_recompute = recompute
     compiled = torch.compile(model, fullgraph=True)
     eager_out = model(ids, labels=ids)
     eager_out.loss.backward()
