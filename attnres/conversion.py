@@ -26,12 +26,6 @@ from .options import CONVERT_DTYPES
 from .sources import TOKENIZER_FILES, ConversionError, has_tokenizer, load_source, load_source_tokenizer
 from .verification import VerificationReport, verify_conversion
 
-# isort: split
-# Names that benchmarks/overhead.py and benchmarks/quality.py import from here, where they lived before
-from .options import DEFAULT_SOURCE  # noqa: F401
-from .sources import default_model_path  # noqa: F401
-from .verification import SAMPLE_TEXT  # noqa: F401
-
 logger = logging.getLogger(__name__)
 
 DTYPES = {name: getattr(torch, name) for name in CONVERT_DTYPES}  # what a command line may ask weights to be

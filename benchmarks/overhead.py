@@ -30,7 +30,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnres
-from attnres.conversion import DTYPES, convert_to_attnres, default_model_path, load_source
+from attnres.conversion import DTYPES, convert_to_attnres
+from attnres.sources import default_model_path, load_source
 
 
 def source_model(name: str, dtype: torch.dtype) -> torch.nn.Module:

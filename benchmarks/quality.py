@@ -52,10 +52,13 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig, Llama
 
 import attnres
 from attnres import AttnResConfig, AttnResForCausalLM
-from attnres.conversion import DEFAULT_SOURCE, SAMPLE_TEXT, load_source_tokenizer
+from attnres.auto import is_attnres_parameter
 from attnres.data import pack, stdlib_source_files
 from attnres.folders import read_metrics, written_whole
-from attnres.training import TrainingConfig, build_datasets, is_attnres_parameter, train
+from attnres.options import DEFAULT_SOURCE, TrainingConfig
+from attnres.sources import load_source_tokenizer
+from attnres.training import build_datasets, train
+from attnres.verification import SAMPLE_TEXT
 
 logger = logging.getLogger("quality")
 
@@ -345,7 +348,7 @@ def claimed(setting: Setting, run_id: str) -> Iterator[bool]:
     except FileExistsError:
         with contextlib.suppress(ValueError, OSError):
             owner = int(lock.read_text() or 0)
-            if owner and owner != os.getpid() and Path(f"/proc/{owner}").exists():
+            if owner and Path(f"/proc/{owner}").exists():
                 yield False
                 return
         lock.unlink(missing_ok=True)  # left by a process that is gone

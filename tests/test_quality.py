@@ -4,6 +4,7 @@ to the same curve, `--reproduce` prints the committed curve, and the report fill
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +131,9 @@ def test_a_run_held_by_a_live_process_is_left_to_it(tmp_path):
     with quality.claimed(setting, "some-run") as first:
         with quality.claimed(setting, "some-run") as second:
             assert first and not second
+    (tmp_path / "held-run.lock").write_text(str(os.getppid()))  # a live process: the one that started pytest
+    with quality.claimed(setting, "held-run") as taken:
+        assert not taken
     (tmp_path / "other-run.lock").write_text("999999999")  # a process that is gone
     with quality.claimed(setting, "other-run") as taken:
         assert taken

@@ -22,7 +22,6 @@ The rooms of this package, in the order a run meets them: `recipe` (the model, w
 The options are `attnres.options.TrainingConfig`.
 """
 
-from ..auto import is_attnres_parameter
 from ..options import TrainingConfig, TrainingError
 from .batches import build_datasets
 from .loop import TrainingResult, train, train_from_args
@@ -32,7 +31,6 @@ __all__ = [
     "TrainingError",
     "TrainingResult",
     "build_datasets",
-    "is_attnres_parameter",
     "train",
     "train_from_args",
 ]
