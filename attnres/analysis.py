@@ -97,8 +97,11 @@ def probe_sublayers(model: PreTrainedModel) -> tuple[SublayerProbe, list]:
     handles = []
 
     def record(values: list[float], index: int, take_input: bool):
-        def hook(module, args, output):
-            hidden_states = args[0] if take_input else (output[0] if isinstance(output, tuple) else output)
+        def hook(module, args, kwargs, output):
+            if take_input:  # attention is called with hidden_states=..., the norms and MLPs positionally
+                hidden_states = args[0] if args else kwargs["hidden_states"]
+            else:
+                hidden_states = output[0] if isinstance(output, tuple) else output
             values[index] = _rms(hidden_states)
 
         return hook
@@ -110,10 +113,12 @@ def probe_sublayers(model: PreTrainedModel) -> tuple[SublayerProbe, list]:
         )
         for offset, (input_norm, body, output_norm) in enumerate(sublayers):
             index = 2 * layer_idx + offset
+            # What the sublayer reads first: its input norm, or the body itself in families without one (OLMo-2)
+            reader = getattr(layer, input_norm) if input_norm else body
             writer = getattr(layer, output_norm) if output_norm else body
-            handles.append(getattr(layer, input_norm).register_forward_hook(record(probe.input_rms, index, True)))
-            handles.append(writer.register_forward_hook(record(probe.output_rms, index, False)))
-            modules = [getattr(layer, input_norm), body] + ([getattr(layer, output_norm)] if output_norm else [])
+            handles.append(reader.register_forward_hook(record(probe.input_rms, index, True), with_kwargs=True))
+            handles.append(writer.register_forward_hook(record(probe.output_rms, index, False), with_kwargs=True))
+            modules = dict.fromkeys((reader, body, writer))  # each module once, in order
             probe.parameter_groups.append([p for module in modules for p in module.parameters()])
     return probe, handles
 

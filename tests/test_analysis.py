@@ -44,8 +44,9 @@ def test_pictures_and_json_follow_the_layout(mode, block_size, tmp_path):
         assert all(g > 0 for g in saved["gradients"][profile])
 
 
-def test_converted_model_looks_uniformly_and_matches_its_baseline(tmp_path):
-    source = tiny_source_model("qwen3", num_layers=4)
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])  # OLMo-2's sublayers read the stream without an input norm
+def test_converted_model_looks_uniformly_and_matches_its_baseline(family, tmp_path):
+    source = tiny_source_model(family, num_layers=4)
     model = attnres_twin(source, attnres_block_size=2, attnres_scale_by_num_sources=True)
     report = analyze(model, text_ids(), tmp_path, baseline=source)
     for row, count in zip(report["depth_weights"], report["num_sources"], strict=True):
