@@ -161,7 +161,7 @@ def plot_scratch(runs: list[dict], path: Path) -> None:
         axes.set_xlabel("training tokens (bytes)")
         axes.set_ylabel("held-out loss minus PreNorm's (nats/byte)")
         axes.legend(fontsize=8)
-    figure.suptitle("From scratch: the gap to PreNorm along training (line: mean; band: min to max over seeds)")
+    figure.suptitle("From scratch: gap to PreNorm (line: mean; band: min to max over seeds)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
