@@ -30,6 +30,7 @@ from .options import (
     DEFAULT_SOURCE,
     DEFAULT_TASKS,
     DEMO_DEFAULTS,
+    EVAL_COLUMNS,
     EVAL_DTYPES,
     FIXTURES,
     MODES,
@@ -190,6 +191,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         f"offline GPQA and MATH; `{FIXTURES}` for the bundled fixtures (not benchmark data)",
     )
     parser.add_argument("--log-samples", action="store_true", help="also write every prompt and answer")
+    parser.add_argument(
+        "--baseline-label", default=EVAL_COLUMNS[0], help="the baseline's column (default: %(default)s)"
+    )
+    parser.add_argument("--model-label", default=EVAL_COLUMNS[1], help="the model's column (default: %(default)s)")
     parser.add_argument(
         "--max-gen-toks", type=int, help="cap the tokens generated per answer (default: each task's own; CPUs need it)"
     )

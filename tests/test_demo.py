@@ -12,7 +12,8 @@ from tiny import run_cli, tiny_source_model, tiny_tokenizer
 
 from attnres import sources
 from attnres.cli import parse_args
-from attnres.demo import DemoResult, demo
+from attnres.demo import DemoResult, demo, results_summary
+from attnres.eval.harness import NOT_SIGNIFICANT
 from attnres.training import TrainingConfig
 
 TINY_DEMO = dict(steps=4, eval_limit=2, max_gen_toks=8, seq_len=32, batch_size=2, max_eval_sequences=4)
@@ -104,10 +105,28 @@ def test_each_stage_command_parses_and_names_the_demo_folders(demo_run, tiny):
     assert parsed["analyze"].baseline == str(tiny["source"])
     assert (evaluation.model, evaluation.baseline, evaluation.output) == (
         str(output_dir / "trained"),
-        str(tiny["source"]),
+        str(output_dir / "control"),  # like with like: the plain source after the same training
         output_dir / "eval",
     )
+    assert (evaluation.baseline_label, evaluation.model_label) == ("control (plain, trained)", "AttnRes (trained)")
     assert evaluation.tasks == "gpqa,math,humaneval" and evaluation.allow_code_execution and evaluation.offline
+
+
+def test_the_evaluation_says_what_its_numbers_are(demo_run):
+    """The console and the report: the trained control as the baseline column, the fixtures line with the questions
+    per task, and every delta marked as noise (two questions per task, fewer than the rule's minimum)."""
+    fixtures_line = (
+        "GPQA/MATH data: the bundled FIXTURES, a handful of bundled questions (offline_gpqa_diamond_zeroshot: 2, "
+        "offline_minerva_math: 2), NOT BENCHMARK DATA"
+    )
+    header = "| task | metric | control (plain, trained) | AttnRes (trained) | delta |"
+    report = (demo_run.output_dir / "report.md").read_text()
+    for shown in (results_summary(demo_run), report, (demo_run.output_dir / "eval" / "summary.md").read_text()):
+        assert fixtures_line in shown and header in shown
+        deltas = re.findall(r"^\| offline_\w+ \| [^|]+ \| [^|]+ \| [^|]+ \| ([^|]+) \|", shown, flags=re.MULTILINE)
+        assert len(deltas) == len(demo_run.evaluation.rows) and all(NOT_SIGNIFICANT in delta for delta in deltas)
+        assert f"{NOT_SIGNIFICANT}: the delta is within the stderr of the difference" in shown
+    assert "- control (plain, trained): " + str(demo_run.output_dir / "control") in report
 
 
 def test_overwrite_replaces_only_what_the_demo_wrote(tiny, tmp_path):

@@ -14,7 +14,7 @@ from tiny import attnres_twin, tiny_source_model, tiny_tokenizer
 from attnres.cli import main
 from attnres.conversion import convert_to_attnres
 from attnres.eval import EvalError, evaluate, load_model
-from attnres.eval.harness import FIXTURES_DIR
+from attnres.eval.harness import FIXTURES_DIR, MIN_QUESTIONS, EvalReport, EvalRow, is_significant
 from attnres.eval.tasks import utils as task_utils
 from attnres.sources import default_model_path, load_source, load_source_tokenizer
 
@@ -208,3 +208,14 @@ def test_converted_smollm2_matches_its_source(tmp_path):
     pass_at_1 = next(row for row in report.rows if row.task == "offline_humaneval")
     assert pass_at_1.attnres == pass_at_1.source
     print(report.to_markdown())
+
+
+def test_a_delta_within_its_stderr_or_from_few_questions_is_marked_not_significant(tmp_path):
+    assert is_significant(0.2, (0.05, 0.05), MIN_QUESTIONS)
+    assert not is_significant(0.05, (0.04, 0.04), 1000)  # within the stderr of the difference (0.057)
+    assert not is_significant(0.5, (0.01, 0.01), MIN_QUESTIONS - 1)  # too few questions for any stderr to hold
+    assert not is_significant(0.5, (None, 0.01), 1000) and not is_significant(None, (0.01, 0.01), 1000)
+    rows = [EvalRow("a", "acc,none", 0.5, 0.55, 0.04, 0.04, 1000), EvalRow("b", "acc,none", 0.2, 0.6, 0.01, 0.01, 1000)]
+    table = EvalReport(rows, tmp_path / "summary.md").to_markdown()
+    assert "| a | acc,none | 0.5000 | 0.5500 | +0.0500 (not significant) |" in table
+    assert "| b | acc,none | 0.2000 | 0.6000 | +0.4000 | " in table

@@ -30,7 +30,7 @@ from lm_eval.utils import handle_non_serializable
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..folders import check_output_dir
-from ..options import DEFAULT_SOURCE, DEFAULT_TASKS, EVAL_DTYPES, FIXTURES, TASK_ALIASES, parameters_from
+from ..options import DEFAULT_SOURCE, DEFAULT_TASKS, EVAL_COLUMNS, EVAL_DTYPES, FIXTURES, TASK_ALIASES, parameters_from
 from ..sources import (
     check_tokenizer,
     hub_reachable,
@@ -57,7 +57,10 @@ OFFLINE_TWINS = {
 CODE_EXECUTION_TASKS = {"humaneval", "offline_humaneval"}
 # `--dtype` -> what from_pretrained takes
 DTYPES = {name: name if name == "auto" else getattr(torch, name) for name in EVAL_DTYPES}
-LABELS = ("source", "attnres")  # result files and table columns: the baseline, then the evaluated model
+LABELS = ("source", "attnres")  # result files: the baseline, then the evaluated model
+# Fewer questions than this and a delta is noise whatever its stderr says: the stderr itself is then a poor estimate
+MIN_QUESTIONS = 30
+NOT_SIGNIFICANT = "(not significant)"
 BOOTSTRAP_ITERS = 1000  # for the stderr of metrics without a closed form (means have one)
 
 
@@ -74,10 +77,25 @@ class EvalRow:
     attnres: float | None
     source_stderr: float | None
     attnres_stderr: float | None
+    questions: int | None = None  # the documents scored for this task
 
     @property
     def delta(self) -> float | None:
         return None if self.source is None or self.attnres is None else self.attnres - self.source
+
+    @property
+    def noise(self) -> bool:
+        """A delta that the table marks as not significant rather than shows as a finding."""
+        significant = is_significant(self.delta, (self.source_stderr, self.attnres_stderr), self.questions)
+        return self.delta is not None and not significant
+
+
+def is_significant(delta: float | None, stderrs: Sequence[float | None], questions: int | None) -> bool:
+    """The one rule for whether a delta is a finding: from at least MIN_QUESTIONS questions, and larger than the
+    stderr of the difference (the two models' stderrs in quadrature). An unknown stderr or count is not a finding."""
+    if delta is None or questions is None or questions < MIN_QUESTIONS or None in stderrs:
+        return False
+    return abs(delta) > sum(stderr**2 for stderr in stderrs) ** 0.5
 
 
 @dataclass
@@ -85,21 +103,34 @@ class EvalReport:
     rows: list[EvalRow]
     summary_path: Path
     results: dict[str, dict] = field(default_factory=dict)  # label -> lm-eval's results (without the samples)
+    columns: tuple[str, str] = EVAL_COLUMNS
+    fixtures_note: str = ""  # set when GPQA/MATH read the bundled fixtures: the table's block says so itself
 
     def to_markdown(self) -> str:
+        """The table, with the fixtures line above it and, under it, what a delta marked not significant means."""
+        baseline, model = self.columns
         lines = [
-            "| task | metric | source | AttnRes | delta | stderr (source / AttnRes) |",
+            f"| task | metric | {baseline} | {model} | delta | stderr ({baseline} / {model}) |",
             "|---|---|---|---|---|---|",
         ]
         for row in self.rows:
             stderr = f"{_number(row.source_stderr)} / {_number(row.attnres_stderr)}"
-            cells = [row.task, row.metric, _number(row.source), _number(row.attnres), _number(row.delta, "+"), stderr]
+            cells = [row.task, row.metric, _number(row.source), _number(row.attnres), _delta(row), stderr]
             lines.append("| " + " | ".join(cells) + " |")
-        return "\n".join(lines)
+        if any(row.noise for row in self.rows):
+            lines.append(
+                f"\n{NOT_SIGNIFICANT}: the delta is within the stderr of the difference, or comes from fewer than "
+                f"{MIN_QUESTIONS} questions; it is noise, not a finding."
+            )
+        return "\n".join(([self.fixtures_note, ""] if self.fixtures_note else []) + lines)
 
 
 def _number(value: float | None, sign: str = "") -> str:
     return "-" if value is None else f"{value:{sign}.4f}"
+
+
+def _delta(row: EvalRow) -> str:
+    return f"{_number(row.delta, '+')} {NOT_SIGNIFICANT}" if row.noise else _number(row.delta, "+")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -364,18 +395,36 @@ def metric_values(results: dict | None) -> dict[tuple[str, str], tuple[float, fl
     return values
 
 
+def questions_per_task(results: dict) -> dict[str, int]:
+    """task -> the documents lm-eval scored for it (after --limit)."""
+    return {task: counts["effective"] for task, counts in results.get("n-samples", {}).items()}
+
+
 def compare(source: dict | None, attnres: dict) -> list[EvalRow]:
     source_values, attnres_values = metric_values(source), metric_values(attnres)
+    questions = questions_per_task(attnres)
     rows = []
     for task, metric in sorted(attnres_values.keys() | source_values.keys()):
         source_value, source_stderr = source_values.get((task, metric), (None, None))
         attnres_value, attnres_stderr = attnres_values.get((task, metric), (None, None))
-        rows.append(EvalRow(task, metric, source_value, attnres_value, source_stderr, attnres_stderr))
+        row = EvalRow(task, metric, source_value, attnres_value, source_stderr, attnres_stderr, questions.get(task))
+        rows.append(row)
     return rows
 
 
+def fixtures_note(results: dict) -> str:
+    """The one line that goes with results on the bundled fixtures, with the questions of each task that read them."""
+    readers = {twin for twin, data_file in OFFLINE_TWINS.values() if data_file is not None}
+    counts = ", ".join(f"{task}: {n}" for task, n in sorted(questions_per_task(results).items()) if task in readers)
+    return (
+        f"GPQA/MATH data: the bundled FIXTURES, a handful of bundled questions ({counts}), NOT BENCHMARK DATA: "
+        "these numbers say nothing about a model."
+    )
+
+
 def summary_markdown(report: EvalReport, described: dict[str, str], settings: RunSettings, notes: list[str]) -> str:
-    models = "\n".join(f"- {label}: {name}" for label, name in described.items())
+    columns = dict(zip(LABELS, report.columns, strict=True))
+    models = "\n".join(f"- {columns[label]}: {name}" for label, name in described.items())
     limit = f", first {settings.limit} documents per task" if settings.limit else ""
     gen = f", generation capped at {settings.max_gen_toks} tokens" if settings.max_gen_toks else ""
     parts = [f"# AttnRes evaluation\n\n{models}\n\nlm-eval tasks: {', '.join(settings.names)}{limit}{gen}.\n"]
@@ -404,6 +453,8 @@ def evaluate(
     log_samples: bool = False,
     max_gen_toks: int | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    baseline_label: str = EVAL_COLUMNS[0],
+    model_label: str = EVAL_COLUMNS[1],
 ) -> EvalReport:
     """Evaluate `model` (and `baseline`, its source, first) with lm-eval; write results, samples and summary.md.
 
@@ -415,7 +466,8 @@ def evaluate(
     source and its conversion share one); without it, objects load theirs from `name_or_path`. Named models are
     checked before any loads (`resolve_source`): a missing folder, a folder without a model or a tokenizer, or a Hub
     id that cannot be had (offline: not in the cache), raises `ConversionError`; an `output_dir` that is, holds or
-    lies inside one of them or `data_dir`, or is the current or home folder, raises `EvalError`.
+    lies inside one of them or `data_dir`, or is the current or home folder, raises `EvalError`. `baseline_label` and
+    `model_label` name the table's two columns (the demo's baseline is a trained control, not a source).
     """
     if output_dir is None:
         raise EvalError("evaluate() needs an output_dir for the results and summary.md")
@@ -452,9 +504,9 @@ def evaluate(
         gc.collect()
 
     notes = ["Offline: the bundled twins of lm-eval's tasks (attnres/eval/tasks)."] if is_offline else []
-    if data_path == FIXTURES_DIR:
-        notes.append("GPQA/MATH data: bundled FIXTURES, NOT BENCHMARK DATA. These numbers say nothing about a model.")
-    report = EvalReport(compare(results.get("source"), results["attnres"]), output_dir / "summary.md", results)
+    rows = compare(results.get("source"), results["attnres"])
+    note = fixtures_note(results["attnres"]) if data_path == FIXTURES_DIR else ""
+    report = EvalReport(rows, output_dir / "summary.md", results, (baseline_label, model_label), note)
     report.summary_path.write_text(summary_markdown(report, described, settings, notes))
     logger.info("Wrote %s", report.summary_path)
     return report
