@@ -528,6 +528,7 @@ def reproduce(setting: Setting, path: Path, tokens: int, runs: dict[str, RunSpec
             f"{run.options['max_steps']} steps; ask for {run.tokens_per_step} to "
             f"{run.options['max_steps'] * run.tokens_per_step}"
         )
+    torch.set_num_threads(committed["torch_threads"])  # another thread count sums in another order
     if run.parent is not None:
         train_run(setting, runs[run.parent])  # the parent, whole, as its children started from it
     folder = train_run(setting, run, stop_at_step=stop)
