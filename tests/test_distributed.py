@@ -334,3 +334,59 @@ def test_engine_requested_without_a_launcher_is_a_clear_error(
     with pytest.raises(TrainingError, match=expected):
         train(output_dir=str(tmp_path), model=str(checkpoint), dataset=str(corpus_file), **RUN)
     assert not any(tmp_path.iterdir())  # stopped before writing anything
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What FSDP2 on CPU processes rests on: Accelerate's state, set from outside
+# --------------------------------------------------------------------------------------------------------------------
+
+ACCELERATE_STATE_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from tiny import attnres_twin, tiny_source_model
+from torch.distributed.fsdp import FSDPModule
+from attnres.training.engine import distribution, shard_with_fsdp2
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+accelerator = Accelerator(cpu=True)
+before = accelerator.distributed_type.value
+shard_with_fsdp2(accelerator)
+model = attnres_twin(tiny_source_model("llama", num_layers=2))
+model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+print(json.dumps({
+    "before": before,
+    "states": [AcceleratorState().distributed_type.value, PartialState().distributed_type.value],
+    "fsdp2": accelerator.is_fsdp2,
+    "sharded": isinstance(model, FSDPModule),
+    "engine": distribution(accelerator, model)["engine"],
+}))
+"""
+
+
+def test_fsdp2_on_cpu_rests_on_accelerate_state_it_sets(free_port, tmp_path):
+    """Accelerate enables FSDP for accelerators only and has no public way to ask for it on CPU processes, so
+    `shard_with_fsdp2` sets Accelerate's state itself (its FSDP plugin and distributed type). Pinned in one process, in
+    seconds: states made later read what it set, and `prepare` then shards with FSDP2. If Accelerate changes how it
+    keeps or reads that state, this fails, and names it, before the launches above train as something else."""
+    script = tmp_path / "accelerate_state.py"
+    script.write_text(ACCELERATE_STATE_SCRIPT)
+    tests_folder = str(Path(__file__).parent)
+    env = {
+        **os.environ,
+        "FSDP_VERSION": "2",
+        "PYTHONPATH": os.pathsep.join([tests_folder, os.environ.get("PYTHONPATH", "")]),
+    }
+    child = subprocess.run(
+        [sys.executable, str(script), str(free_port)], env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert json.loads(child.stdout.strip().splitlines()[-1]) == {
+        "before": "NO",
+        "states": ["FSDP", "FSDP"],
+        "fsdp2": True,
+        "sharded": True,
+        "engine": "FSDP2",
+    }

@@ -2,7 +2,8 @@
 `TrainingError` that says why it cannot run, set up on CPU processes too, where Accelerate would fall back to DDP;
 how the prepared model is spread; and, for export, the model as it was before FSDP2 sharded it.
 
-This is where the package reaches into Accelerate's internals (its state's FSDP plugin and distributed type).
+This is where the package reaches into Accelerate's internals (it sets its state's FSDP plugin and distributed type,
+which Accelerate has no public way to set on CPU processes); tests/test_distributed.py pins what that rests on.
 """
 
 import os
