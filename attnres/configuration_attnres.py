@@ -210,8 +210,8 @@ class AttnResConfig(PreTrainedConfig):
     def sublayer_starts_block(self, sublayer_index: int) -> bool:
         """Whether sublayer `sublayer_index` (0-based; attention = 2*layer, MLP = 2*layer + 1) opens a new block.
 
-        The paper's rule `layer_number % (block_size // 2) == 0` on the 0-based index (paper.md §1.5, A2); in Full mode
-        every sublayer output is a source of its own.
+        The rule of the paper's Block AttnRes pseudocode (arXiv 2603.15031), `layer_number % (block_size // 2) == 0`,
+        on the 0-based index; in Full mode every sublayer output is a source of its own.
         """
         if self.attnres_mode == "full":
             return True

@@ -1,6 +1,6 @@
 """Convert the embedded SmolLM2-135M-Instruct to AttnRes, train it briefly, compare, evaluate, analyse, and report.
 
-One command on a CPU (about 9 minutes on two cores) runs every stage into one folder and writes `report.md`, which
+One command on a CPU (about 14 minutes on two cores) runs every stage into one folder and writes `report.md`, which
 shows every figure and picture and, for each stage, the `attnres` command that re-runs it alone:
 
     OUTPUT/converted/      attnres convert: the converted model; its verification against the source

@@ -129,7 +129,7 @@ def test_source_bookkeeping_matches_paper():
     config = attnres.AttnResConfig(text_config=tiny_source_config("llama", num_layers=27), attnres_block_size=3)
     counts = config.num_sources()
     assert len(counts) == 2 * 27 + 1 and counts[-1] == 10
-    # Worked example (paper.md 1.5): 4 layers, 2 per block.
+    # 4 layers, 2 per block: blocks open at layers 0 and 2 (sublayers 0 and 4).
     config = attnres.AttnResConfig(text_config=tiny_source_config("llama", num_layers=4), attnres_block_size=2)
     assert config.num_sources() == [1, 2, 2, 2, 2, 3, 3, 3, 3]
     # Full: the embedding and every earlier sublayer output.
