@@ -21,6 +21,11 @@ from transformers import AutoConfig, PreTrainedConfig
 from .cards import model_card, origin_record, read_origin
 from .folders import CHECKPOINTS_FOLDER
 
+try:  # huggingface_hub's HTTP client, whose network errors are not OSErrors: httpx2 from huggingface_hub 2 on
+    from httpx2 import HTTPError as HubClientError
+except ImportError:  # huggingface_hub 1
+    from httpx import HTTPError as HubClientError
+
 # Where a folder may hold an `attnres eval` summary: the demo's folder, or a model folder that it was copied into
 # (`attnres eval --output` never lies inside the model it evaluates)
 EVALUATION_SUMMARIES = ("summary.md", "eval/summary.md")
@@ -73,7 +78,9 @@ def push_folder(
             commit = api.upload_folder(
                 repo_id=repo_id, folder_path=upload, commit_message=commit_message, ignore_patterns=ignore_patterns
             )
-    except Exception as error:  # network, authentication, permissions: all leave the local folder usable
+    # The network (the client's errors), authentication and permissions (HfHubHTTPError, an OSError), no token or
+    # offline mode (OSErrors too): each leaves the local folder usable
+    except (OSError, HubClientError) as error:
         raise HubUploadError(f"{folder} is saved, but uploading it to {repo_id} failed: {error}") from error
     return commit.commit_url
 

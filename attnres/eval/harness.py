@@ -27,11 +27,13 @@ from lm_eval.loggers.utils import get_commit_from_path
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..folders import check_output_dir
 from ..options import DEFAULT_SOURCE, DEFAULT_TASKS, EVAL_COLUMNS, EVAL_DTYPES, FIXTURES, TASK_ALIASES, parameters_from
 from ..sources import (
+    ConversionError,
     check_tokenizer,
     hub_reachable,
     load_source,
@@ -266,7 +268,10 @@ def load_model(
     if isinstance(model, (str, os.PathLike)):
         try:
             model, tokenizer = load_pretrained(str(model), DTYPES[dtype])
-        except Exception as error:  # any failure to load is the user's to fix: say which model and why
+        # What a model that does not load raises: files missing or unreadable, the Hub (OSError), a config transformers
+        # cannot read or build (ValueError), weights that do not fit it (RuntimeError), a corrupt weights file. Not a
+        # missing package (the command names the extra to install), nor a bug here (its traceback shows).
+        except (OSError, ValueError, RuntimeError, SafetensorError, ConversionError) as error:
             raise EvalError(f"cannot load the model {str(model)!r}: {type(error).__name__}: {error}") from error
     elif tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
@@ -274,10 +279,12 @@ def load_model(
 
 
 def with_distinct_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
-    """lm-eval generates without an attention mask; `generate` derives one from the pad token only if pad != EOS.
+    """A pad token other than EOS, for `generate` without an attention mask, which derives one from the pad token only
+    if pad != EOS (otherwise left-padded batches attend to their padding).
 
-    Otherwise left-padded batches attend to their padding. Pad with an existing token (unknown, then id 0, then
-    BOS), never a new one: the vocabulary must not change.
+    lm-eval (0.4.13, the oldest accepted) does pass each batch's attention mask to `generate` (`generate_until` ->
+    `_model_generate`), so under lm-eval left padding is masked whatever the pad token. Pad with an existing token
+    (unknown, then id 0, then BOS), never a new one: the vocabulary must not change.
     """
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
         return tokenizer
