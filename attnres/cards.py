@@ -219,7 +219,8 @@ model = AutoModelForCausalLM.from_pretrained("<this folder or repo>", trust_remo
 tokenizer = AutoTokenizer.from_pretrained("<this folder or repo>", trust_remote_code=True)
 ```
 
-With the `attnres` package installed, `import attnres` registers the classes and `trust_remote_code` is not needed."""
+With the `attnres` package installed, `import attnres` registers its classes with the Auto classes: the two lines
+above then load the model without `trust_remote_code`, and run the installed code rather than the copy stored here."""
 
 PLAIN_USAGE = """## Usage
 
