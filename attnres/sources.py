@@ -3,10 +3,15 @@ file in it), or `default`, the SmolLM2-135M-Instruct GGUF embedded in the `llm-s
 
 `resolve_source` checks a model argument before anything loads (a folder that exists and holds a model, a Hub id that
 is reachable, or cached when offline), `check_tokenizer` that it brings a tokenizer, and `load_source` /
-`load_source_tokenizer` load it. Every command that reads a model argument starts here.
+`load_source_tokenizer` / `load_source_config` load it. Every command that reads a model argument starts here.
+
+No model's code runs unasked: AttnRes models load with the installed classes, never a folder's copy of them, and a
+model that brings code of its own (an `auto_map` in its config.json) is refused unless the user passes
+`--trust-remote-code` (`trust_remote_code_for`).
 """
 
 import importlib.util
+import json
 import os
 import socket
 from collections.abc import Iterator
@@ -19,7 +24,15 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub import repo_exists, try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.utils import CONFIG_NAME, cached_file
 
 from . import auto  # noqa: F401  (registers model_type "attnres", so that AttnRes folders load as sources too)
 from .options import DEFAULT_SOURCE
@@ -181,23 +194,75 @@ def is_cached(repo_id: str, gguf_file: str | None) -> bool:
     return any(isinstance(try_to_load_from_cache(repo_id, name), str) for name in first_files)
 
 
+def saved_config(source: str | os.PathLike, gguf_file: str | None = None) -> dict | None:
+    """A model's config.json as saved (folder or Hub repo), read as JSON, so that none of its code runs; None for a GGUF
+    file or a PEFT adapter, which have none."""
+    if gguf_file is not None:
+        return None
+    config_file = cached_file(str(source), CONFIG_NAME, _raise_exceptions_for_missing_entries=False)
+    return None if config_file is None else json.loads(Path(config_file).read_text(encoding="utf-8"))
+
+
+def trust_remote_code_for(
+    source: str | os.PathLike, trust_remote_code: bool = False, gguf_file: str | None = None
+) -> bool:
+    """The `trust_remote_code` to load `source` with: False for an AttnRes model, which always loads with the installed
+    classes, never its folder's copy of them; the caller's `trust_remote_code` for any other model.
+
+    A model whose config.json maps Auto classes to code of its own (an `auto_map`) is refused with `ConversionError`
+    unless `trust_remote_code`: a folder's code runs only when the user asks for it (`--trust-remote-code`), whether
+    or not transformers has classes of its own for the model type.
+    """
+    config = saved_config(source, gguf_file)
+    if config is None:
+        return trust_remote_code
+    if config.get("model_type") == "attnres":
+        return False
+    auto_map = config.get("auto_map")
+    if auto_map and not trust_remote_code:
+        entries = ", ".join(f"{auto_class} -> {reference}" for auto_class, reference in auto_map.items())
+        raise ConversionError(
+            f"{source} brings code of its own (auto_map in its config.json: {entries}), which runs only when asked: "
+            "pass --trust-remote-code (trust_remote_code=True) if you trust it"
+        )
+    return trust_remote_code
+
+
+def load_source_config(
+    source: str | os.PathLike, gguf_file: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedConfig:
+    """The config of a model (see `trust_remote_code_for` for the code that may run)."""
+    trust_remote_code = trust_remote_code_for(source, trust_remote_code, gguf_file)
+    return AutoConfig.from_pretrained(source, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+
+
 def load_source(
-    source: str | os.PathLike, dtype: torch.dtype | None = None, gguf_file: str | None = None
+    source: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    gguf_file: str | None = None,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Load a source checkpoint (Hub id or folder; safetensors or bin, sharded or not; or a GGUF file in it).
 
     Loading through the source's own class applies transformers' conversion mapping, which fuses per-expert MoE
     checkpoints (Mixtral, Qwen3-MoE) into the layout AttnRes shares with the source family. GGUF weights are
     dequantised into plain tensors; the quantizer transformers leaves attached would refuse `save_pretrained`, so it
-    is detached here and the model saves like any other.
+    is detached here and the model saves like any other. An AttnRes model loads with the installed classes; a model
+    that brings code of its own only with `trust_remote_code` (see `trust_remote_code_for`).
     """
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=dtype).eval()
+    trust_remote_code = trust_remote_code_for(source, trust_remote_code, gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code
+    ).eval()
     if gguf_file is not None:
         model.hf_quantizer = None
         del model.config.quantization_config
     return model
 
 
-def load_source_tokenizer(source: str | os.PathLike, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+def load_source_tokenizer(
+    source: str | os.PathLike, gguf_file: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     check_tokenizer(source, gguf_file)  # else transformers tries to build one, and fails with a misleading message
-    return AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    trust_remote_code = trust_remote_code_for(source, trust_remote_code, gguf_file)
+    return AutoTokenizer.from_pretrained(source, gguf_file=gguf_file, trust_remote_code=trust_remote_code)

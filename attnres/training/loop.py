@@ -72,7 +72,7 @@ def start(config: TrainingConfig, accelerator: Accelerator) -> Run:
     """Load tokenizer, data and model, mark what trains, and let Accelerate prepare it all for this process."""
     set_seed(config.seed)
     model_path, gguf_file = model_location(config)
-    tokenizer = load_source_tokenizer(model_path, gguf_file)
+    tokenizer = load_source_tokenizer(model_path, gguf_file, config.trust_remote_code)
     with accelerator.main_process_first():  # the main process fills the datasets cache, the others read it
         train_sequences, held_out_sequences = build_datasets(config, tokenizer, accelerator.num_processes)
     model = load_model(config)

@@ -6,13 +6,13 @@ own) and the learning-rate schedule.
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, get_scheduler
+from transformers import PreTrainedModel, get_scheduler
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..auto import ATTNRES_MODULES, is_attnres_parameter
 from ..conversion import convert_to_attnres
 from ..options import DEFAULT_SOURCE, SCHEDULERS, TrainingConfig, TrainingError
-from ..sources import load_source, resolve_source
+from ..sources import load_source, load_source_config, resolve_source
 
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAM_BETAS = (0.9, 0.95)
@@ -27,20 +27,19 @@ def is_attnres(model: nn.Module) -> bool:
 
 
 def load_model(config: TrainingConfig) -> PreTrainedModel:
-    """The model to train, in float32 (mixed precision is Accelerate's autocast): AttnRes, converted, or as is."""
+    """The model to train, in float32 (mixed precision is Accelerate's autocast): AttnRes (with the installed classes,
+    never the folder's copy), converted, or as is (a model that brings code of its own: `--trust-remote-code`)."""
     path, gguf_file = model_location(config)
-    if AutoConfig.from_pretrained(path, gguf_file=gguf_file).model_type == "attnres":
-        if config.convert:
-            raise TrainingError(f"{path} is already an AttnRes model; drop --convert")
-        return AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
-    if config.convert:
-        if is_deepspeed_zero3_enabled():  # set by the Accelerator: from_pretrained now partitions what it loads
-            raise TrainingError(
-                "--convert cannot read the source's weights once DeepSpeed ZeRO-3 has partitioned them: convert first "
-                "(attnres convert SOURCE DIR), then train DIR without --convert"
-            )
-        return convert_to_attnres(path, config.mode, config.block_size, dtype=torch.float32, gguf_file=gguf_file)
-    return load_source(path, torch.float32, gguf_file)
+    if not config.convert:
+        return load_source(path, torch.float32, gguf_file, config.trust_remote_code)
+    if load_source_config(path, gguf_file, config.trust_remote_code).model_type == "attnres":
+        raise TrainingError(f"{path} is already an AttnRes model; drop --convert")
+    if is_deepspeed_zero3_enabled():  # set by the Accelerator: from_pretrained now partitions what it loads
+        raise TrainingError(
+            "--convert cannot read the source's weights once DeepSpeed ZeRO-3 has partitioned them: convert first "
+            "(attnres convert SOURCE DIR), then train DIR without --convert"
+        )
+    return convert_to_attnres(path, config.mode, config.block_size, torch.float32, gguf_file, config.trust_remote_code)
 
 
 def make_trainable(model: PreTrainedModel, config: TrainingConfig) -> nn.Module:
