@@ -1,11 +1,15 @@
 """The contracts PyTorch and transformers users rely on, kept by the depth mix: any use of autograd, autocast,
-torch.compile (fullgraph, static-cache decoding) and Accelerate's offloading device map."""
+torch.compile (fullgraph, static-cache decoding) and Accelerate's device maps (offloading, two devices)."""
+
+import contextlib
 
 import pytest
 import torch
+from accelerate import dispatch_model
 from tiny import attnres_twin, random_ids, tiny_source_model
 from transformers import AutoModelForCausalLM
 
+from attnres import modeling_attnres
 from attnres.modeling_attnres import AttnResKeyNorm, AttnResPseudoQuery, depth_attention
 
 MODES = ["block", "full"]
@@ -143,6 +147,58 @@ def test_offloaded_device_map_gives_the_plain_logits(tmp_path):
         placement = set(offloaded.hf_device_map.values())
         assert "disk" in placement, offloaded.hf_device_map  # some layers really live on disk
         logits = offloaded(ids).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+
+
+# What a device map places in a 4-layer model (each decoder layer whole: `_no_split_modules`), over two devices that
+# refuse each other's tensors, the CPU and torch's lazy tensor device (which computes on the CPU), and the disk
+SPREAD_OVER_TWO_DEVICES_AND_DISK = {
+    "model.embed_tokens": "disk",
+    "model.rotary_emb": "lazy",
+    "model.layers.0": "cpu",
+    "model.layers.1": "lazy",
+    "model.layers.2": "disk",
+    "model.layers.3": "lazy",
+    "model.output_attn_res_proj": "disk",
+    "model.output_attn_res_norm": "lazy",
+    "model.norm": "disk",
+    "lm_head": "disk",  # tied to the embedding
+}
+
+
+@pytest.fixture(scope="module")
+def lazy_device() -> None:
+    """torch's lazy tensor device, set up once per process."""
+    pytest.importorskip("torch._lazy.ts_backend").init()
+
+
+@pytest.mark.parametrize(
+    "device_map, parameter_devices, implementation",
+    [
+        (SPREAD_OVER_TWO_DEVICES_AND_DISK, {"cpu", "lazy", "meta"}, "two_phase"),
+        (SPREAD_OVER_TWO_DEVICES_AND_DISK, {"cpu", "lazy", "meta"}, "naive"),
+        (dict.fromkeys(SPREAD_OVER_TWO_DEVICES_AND_DISK, "disk"), {"meta"}, "two_phase"),
+    ],
+    ids=["cpu-lazy-disk", "cpu-lazy-disk-naive", "all-on-disk"],
+)
+@pytest.mark.usefixtures("lazy_device")
+def test_each_module_reads_only_its_arguments_and_parameters(
+    device_map, parameter_devices, implementation, tmp_path, monkeypatch
+):
+    """Accelerate's hooks move the arguments of a module call to the module's device, and bring an offloaded module's
+    parameters from the meta device for its own call only (each module with parameters on its own, the pseudo-queries
+    and key norms included). A module that read another's parameter, or a tensor that reached it other than as an
+    argument, fails here; so does the output mix unless it brings its pseudo-query (on disk) and key norm to the last
+    layer's sources."""
+    monkeypatch.setattr(modeling_attnres, "fp32_region", lambda like: contextlib.nullcontext())  # autocast: no lazy
+    model, ids = small_model("block", num_layers=4), random_ids()
+    model.config.attnres_implementation = implementation
+    with torch.no_grad():
+        expected = model(ids).logits
+        dispatch_model(model, device_map, main_device="cpu", offload_dir=str(tmp_path))  # disk: runs on the CPU
+        assert {parameter.device.type for parameter in model.parameters()} == parameter_devices
+        logits = model(ids).logits
+    print(f"max logit difference {(logits - expected).abs().max().item():.1e}")
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
 
 
