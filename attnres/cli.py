@@ -411,8 +411,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def check_models(command: Command, args: argparse.Namespace) -> None:
-    """Every model argument names a folder, `default`, or a reachable (offline: cached) Hub id, and brings no code of
-    its own unless --trust-remote-code, before any loads."""
+    """Every model argument names a folder, `default`, or a reachable (offline: cached) Hub id, and needs no code of
+    its own unless --trust-remote-code (see `trust_remote_code_for`), before any loads."""
     from .sources import resolve_source, trust_remote_code_for
 
     for name, gguf_name in command.models:

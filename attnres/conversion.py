@@ -92,8 +92,9 @@ def convert_to_attnres(
         block_size: Decoder layers per block in block mode; defaults to about 8 blocks.
         dtype: dtype of the converted weights; defaults to the source's.
         gguf_file: A GGUF file inside `source` (a folder or Hub repo) to load the weights from.
-        trust_remote_code: Run the code that a `source` to load brings (the `auto_map` of its config.json), which is
-            refused otherwise; see `attnres.sources.trust_remote_code_for`.
+        trust_remote_code: Run the code that a `source` to load brings (the `auto_map` of its config.json); a source
+            that needs it (a model type transformers does not know) is refused otherwise, and one of a model type
+            transformers knows loads with transformers' class; see `attnres.sources.trust_remote_code_for`.
 
     The converted model holds the source's own tensors rather than copies (unless `dtype` casts them), which keeps
     peak memory at about one copy of the weights: do not keep training the source alongside it.
@@ -160,8 +161,9 @@ def convert_checkpoint(
     are loaded) and, unless `verify=False`, the verification thresholds; a `ConversionError` says what failed and
     `output_dir` is left as it was. The verification runs on `device`, where the source and the converted model then
     hold a copy of the weights each (on the CPU they share one). A source folder without a tokenizer converts too:
-    verified on random token ids, and saved without a tokenizer. A source that brings code of its own (an `auto_map`
-    in its config.json) is refused with a `ConversionError` unless `trust_remote_code`.
+    verified on random token ids, and saved without a tokenizer. A source that needs code of its own (an `auto_map`
+    in its config.json, for a model type transformers does not know) is refused with a `ConversionError` unless
+    `trust_remote_code`.
     """
     source, output_dir = str(source), Path(output_dir)
     replace_fix = None if overwrite else "pass --overwrite (overwrite=True) to replace it"

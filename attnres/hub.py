@@ -93,7 +93,7 @@ def push_folder(
 
 def load_model_folder_config(folder: Path, trust_remote_code: bool = False) -> PreTrainedConfig:
     """The config of a loadable model folder (AttnRes or plain); a clear error for anything else, and a
-    `ConversionError` for a folder that brings code of its own, unless `trust_remote_code`."""
+    `ConversionError` for a folder that needs code of its own, unless `trust_remote_code`."""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder")
     if not (folder / "config.json").is_file() or not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
@@ -136,8 +136,8 @@ def push_model(model_dir: str | Path, repo_id: str, private: bool = False, trust
     """Upload a converted or trained model folder to the Hub model repo `repo_id`; returns the commit URL.
 
     Training checkpoints (optimizer states) stay behind; README.md is the card of `model_card_for_push`, made from the
-    folder's config: a folder that brings code of its own (an `auto_map` that is not AttnRes's) needs
-    `trust_remote_code` for that.
+    folder's config: a folder that needs code of its own (an `auto_map` that is not AttnRes's, for a model type
+    transformers does not know) needs `trust_remote_code` for that.
     """
     folder = Path(model_dir)
     readme = model_card_for_push(folder, load_model_folder_config(folder, trust_remote_code))

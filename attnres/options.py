@@ -37,8 +37,9 @@ DEFAULT_SOURCE = "default"
 # `--trust-remote-code` of every command that loads a model (attnres.sources.trust_remote_code_for)
 TRUST_REMOTE_CODE_HELP = (
     "run the code that a model folder or Hub repo brings (the auto_map of its config.json), as transformers' "
-    "trust_remote_code=True; without it such a model is refused. AttnRes models always load with this package's "
-    "own classes, never a folder's copy of them"
+    "trust_remote_code=True; without it a model that needs that code (a model type transformers does not know) is "
+    "refused, and one whose model type transformers knows loads with transformers' class. AttnRes models always "
+    "load with this package's own classes, never a folder's copy of them"
 )
 # `attnres analyze`: tokens of the text it runs the models on
 ANALYSIS_TOKENS = 512

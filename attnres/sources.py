@@ -6,8 +6,9 @@ is reachable, or cached when offline), `check_tokenizer` that it brings a tokeni
 `load_source_tokenizer` / `load_source_config` load it. Every command that reads a model argument starts here.
 
 No model's code runs unasked: AttnRes models load with the installed classes, never a folder's copy of them, and a
-model that brings code of its own (an `auto_map` in its config.json) is refused unless the user passes
-`--trust-remote-code` (`trust_remote_code_for`).
+model that needs code of its own (an `auto_map` in its config.json and a model type transformers does not know) is
+refused unless the user passes `--trust-remote-code` (`trust_remote_code_for`); one whose model type transformers
+knows loads with transformers' class, as transformers does, and its folder's code never runs.
 """
 
 import importlib.util
@@ -32,6 +33,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import CONFIG_NAME, cached_file
 
 from . import auto  # noqa: F401  (registers model_type "attnres", so that AttnRes folders load as sources too)
@@ -209,9 +211,11 @@ def trust_remote_code_for(
     """The `trust_remote_code` to load `source` with: False for an AttnRes model, which always loads with the installed
     classes, never its folder's copy of them; the caller's `trust_remote_code` for any other model.
 
-    A model whose config.json maps Auto classes to code of its own (an `auto_map`) is refused with `ConversionError`
-    unless `trust_remote_code`: a folder's code runs only when the user asks for it (`--trust-remote-code`), whether
-    or not transformers has classes of its own for the model type.
+    As in transformers, a model whose config.json maps Auto classes to code of its own (an `auto_map`) needs that code
+    only when transformers does not know its `model_type` (or it has none): such a model is refused with
+    `ConversionError` unless `trust_remote_code`. One whose model type transformers knows (official Phi-3 and
+    DeepSeek-V3 checkpoints carry an auto_map) loads with transformers' own class under trust_remote_code=False, and
+    none of its folder's code runs; with `trust_remote_code` its folder's code loads it, as in transformers.
     """
     config = saved_config(source, gguf_file)
     if config is None:
@@ -219,7 +223,15 @@ def trust_remote_code_for(
     if config.get("model_type") == "attnres":
         return False
     auto_map = config.get("auto_map")
-    if auto_map and not trust_remote_code:
+    # transformers 5.24, models/auto/configuration_auto.py, AutoConfig.from_pretrained (lines 408-409):
+    #   has_remote_code = "auto_map" in config_dict and "AutoConfig" in config_dict["auto_map"]
+    #   has_local_code = "model_type" in config_dict and config_dict["model_type"] in CONFIG_MAPPING
+    # and dynamic_module_utils.py, resolve_trust_remote_code (line 790) refuses only when
+    #   has_remote_code and not has_local_code and not trust_remote_code;
+    # with trust_remote_code=False the Auto classes then load their own class (configuration_auto.py line 423,
+    # auto_factory.py lines 380 and 392: the folder's code is imported only when trust_remote_code is True)
+    has_local_code = config.get("model_type") in CONFIG_MAPPING
+    if auto_map and not has_local_code and not trust_remote_code:
         entries = ", ".join(f"{auto_class} -> {reference}" for auto_class, reference in auto_map.items())
         raise ConversionError(
             f"{source} brings code of its own (auto_map in its config.json: {entries}), which runs only when asked: "

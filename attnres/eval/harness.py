@@ -245,7 +245,7 @@ def load_pretrained(
     path: str, dtype: torch.dtype | str, trust_remote_code: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A folder or Hub id: `default` (GGUF), a PEFT adapter on its base, an AttnRes model (the installed classes, never
-    the folder's copy), or plain; a model that brings code of its own only with `trust_remote_code`."""
+    the folder's copy), or plain; a model that needs code of its own only with `trust_remote_code`."""
     if path == DEFAULT_SOURCE:
         folder, gguf_file = resolve_source(path)
         return load_source(folder, dtype, gguf_file), load_source_tokenizer(folder, gguf_file)
@@ -481,8 +481,9 @@ def evaluate(
     id that cannot be had (offline: not in the cache), raises `ConversionError`; an `output_dir` that is, holds or
     lies inside one of them or `data_dir`, or is the current or home folder, raises `EvalError`. `baseline_label` and
     `model_label` name the table's two columns (the demo's baseline is a trained control, not a source). AttnRes
-    models load with the installed classes, never a folder's copy of them; a named model that brings code of its own
-    (an `auto_map` in its config.json) raises `ConversionError` before any loads, unless `trust_remote_code`.
+    models load with the installed classes, never a folder's copy of them; a named model that needs code of its own
+    (an `auto_map` in its config.json, for a model type transformers does not know) raises `ConversionError` before
+    any loads, unless `trust_remote_code`.
     """
     if output_dir is None:
         raise EvalError("evaluate() needs an output_dir for the results and summary.md")

@@ -28,7 +28,7 @@ def is_attnres(model: nn.Module) -> bool:
 
 def load_model(config: TrainingConfig) -> PreTrainedModel:
     """The model to train, in float32 (mixed precision is Accelerate's autocast): AttnRes (with the installed classes,
-    never the folder's copy), converted, or as is (a model that brings code of its own: `--trust-remote-code`)."""
+    never the folder's copy), converted, or as is (a model that needs code of its own: `--trust-remote-code`)."""
     path, gguf_file = model_location(config)
     if not config.convert:
         return load_source(path, torch.float32, gguf_file, config.trust_remote_code)
