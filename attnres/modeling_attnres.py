@@ -14,12 +14,14 @@ This file is copied next to the weights as remote code: it imports only torch, t
 
 import contextlib
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
 
 import torch
+import transformers
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
@@ -28,13 +30,29 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import AttnResConfig
+
+# Saved next to the weights, this file runs on every transformers from OLDEST_TRANSFORMERS on. 5.24 renamed the KV
+# cache from `past_key_values` to `cache` (the argument of models, layers and mask builders, and the output field):
+# the cache travels under the installed version's name.
+CACHE_NAME = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+# The forwards take `cache` and accept `past_key_values` for it: with a deprecation warning from 5.24 on, as the stock
+# models do, and silently before, where `generate` passes that name (`deprecate_kwarg` is silent past its version).
+accepts_past_key_values = deprecate_kwarg(
+    "past_key_values", "5.40.0" if CACHE_NAME == "cache" else transformers.__version__, new_name="cache"
+)
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # before 5.21 each model slices itself, for an int or a 1D tensor of positions
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        return hidden_states[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]
 
 # --------------------------------------------------------------------------------------------------------------------
 # Source families: the only place where they differ.
@@ -68,6 +86,9 @@ class Family:
     embedding_multiplier_key: str | None = None
     residual_multiplier_key: str | None = None
     logits_divisor_key: str | None = None
+    # Gemma2: sdpa cannot softcap the attention logits. Its own models declare so from transformers 5.21 on; on 5.20
+    # they ran sdpa without the softcapping, which a saved model must not do there either.
+    supports_sdpa: bool = True
 
     @property
     def module(self) -> ModuleType:
@@ -117,7 +138,7 @@ FAMILIES = {
     "exaone4": Family("exaone4", "Exaone4", **OUTPUT_NORMS_ONLY),
     "gpt_oss": Family("gpt_oss", "GptOss", num_experts_key="num_local_experts", mlp_returns_tuple=True),  # eager: sinks
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3"),  # MLA, dense first layers then routed + shared experts
-    "gemma2": Family("gemma2", "Gemma2", **SANDWICH_NORMS, scaled_embedding=True),  # eager: softcapped attention
+    "gemma2": Family("gemma2", "Gemma2", **SANDWICH_NORMS, scaled_embedding=True, supports_sdpa=False),
     "gemma3_text": Family("gemma3", "Gemma3", **SANDWICH_NORMS, scaled_embedding=True, rope_per_layer_type=True),
 }
 
@@ -215,9 +236,14 @@ def close_source(
     return completed + (source,), torch.cat([inv_rms, inverse_rms(source, eps).unsqueeze(-1)], dim=-1)
 
 
-def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm]) -> torch.Tensor:
-    """w . (g * v / rms(v)) = (w * g) . v / rms(v): each key-norm gain folds into its query. -> [q,d] fp32"""
-    return torch.stack([upcast(pseudo_query()) * upcast(key_norm()) for pseudo_query, key_norm in depth_heads])
+def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm], device: torch.device) -> torch.Tensor:
+    """w . (g * v / rms(v)) = (w * g) . v / rms(v): each key-norm gain folds into its query. -> [q,d] fp32 on `device`
+
+    `device`: the sources'. A device map may place a head's modules elsewhere (the output mix's, which no layer holds),
+    and Accelerate moves the arguments of a module call, not its output."""
+    return torch.stack(
+        [upcast(pseudo_query().to(device)) * upcast(key_norm().to(device)) for pseudo_query, key_norm in depth_heads]
+    )
 
 
 def score_completed(stacked: torch.Tensor, inv_rms: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
@@ -286,9 +312,11 @@ def depth_attention(
     eps, scale = key_norm.eps, config.attnres_scale_by_num_sources
     if config.attnres_implementation == "naive":
         sources = torch.stack(completed + (() if partial_sum is None else (partial_sum,)), dim=-2)
-        mixed, weights = depth_mix_reference(sources, pseudo_query(), key_norm(), eps, scale)
+        query, key_gain = pseudo_query().to(sources.device), key_norm().to(sources.device)  # see folded_queries
+        mixed, weights = depth_mix_reference(sources, query, key_gain, eps, scale)
         return input_norm(mixed), weights, None
-    queries = folded_queries(*depth_heads)  # the parameters are read here, in the module calls, for hooks to see
+    # the parameters are read here, in the module calls, for hooks to see
+    queries = folded_queries(*depth_heads, device=inv_rms.device)
     norm_inside = config.attnres_recompute
 
     def mix(queries, block_logits, partial_sum, inv_rms, *completed):
@@ -362,10 +390,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         *completed_sources: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, ...]:
-        """-> (partial_sum, attention depth weights, MLP depth weights, completed_inv_rms, *completed_sources)"""
+        """-> (partial_sum, attention depth weights, MLP depth weights, completed_inv_rms, *completed_sources)
+
+        The KV cache is in `kwargs` under `CACHE_NAME`, passed on to the attention as the installed version names it.
+        """
         config, family, eps = self.config, self.family, self.config.attnres_eps
         completed, inv_rms = completed_sources, completed_inv_rms
         if self.attention_starts_block:
@@ -383,7 +413,6 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             hidden_states=attention_input,
             attention_mask=attention_mask,
             position_embeddings=position_embeddings,
-            cache=cache,
             **kwargs,
         )
         attention_output = self._sublayer_output(0, attention_output)
@@ -462,8 +491,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def _sdpa_can_dispatch(self, is_init_check: bool = False) -> bool:
         # The source family's attention decides: Gemma2's softcapping and GPT-OSS's sinks have no sdpa path, so those
         # models fall back to eager (as their own models do) or refuse an explicit request.
-        family_model_cls = family_of(self.config).cls("PreTrainedModel")
-        if not family_model_cls._supports_sdpa:
+        family = family_of(self.config)
+        family_model_cls = family.cls("PreTrainedModel")
+        if not (family.supports_sdpa and family_model_cls._supports_sdpa):
             raise ValueError(
                 f"{family_model_cls.__name__} (the source family of this AttnRes model) does not support sdpa "
                 "attention; use attn_implementation='eager'."
@@ -532,13 +562,13 @@ class AttnResModel(AttnResPreTrainedModel):
             "config": self.config.text_config,
             "inputs_embeds": inputs_embeds,
             "attention_mask": attention_mask,
-            "cache": cache,
+            CACHE_NAME: cache,
             "position_ids": position_ids,
         }
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in set(layer_types)}
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # as the stock 5.24 models
+    @accepts_past_key_values
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -586,7 +616,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 attention_mask=attention_masks[layer_type],
                 position_embeddings=position_embeddings[layer_type],
                 position_ids=position_ids,
-                cache=cache,
+                **{CACHE_NAME: cache},
                 **kwargs,
             )
             depth_weights += [attention_weights, mlp_weights]
@@ -597,7 +627,7 @@ class AttnResModel(AttnResPreTrainedModel):
         )
         return AttnResModelOutputWithPast(
             last_hidden_state=hidden_states,
-            cache=cache,
+            **{CACHE_NAME: cache},
             depth_weights=tuple(depth_weights + [output_depth_weight]) if output_depth_weights else None,
         )
 
@@ -613,7 +643,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.text_config.hidden_size, self.vocab_size, bias=False)
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -668,7 +698,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
-            cache=outputs.cache,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
