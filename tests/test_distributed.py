@@ -39,10 +39,11 @@ RUN = {name: value for name, value in TINY_RUN.items() if name != "batch_size"} 
 )
 LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 1e-5  # fp32 noise: sums reduced in another order, after 3 AdamW steps
-# Against the single process in bf16 autocast: bf16 rounding, which FSDP2 (bf16 parameters in compute, bf16 outputs and
-# gradient reduction) and DeepSpeed (bf16 weights) add to the autocast's. Measured (loss, weights) after 3 steps: DDP
-# 1.2e-3, 9.4e-3; FSDP2 5.9e-2, 3.4e-2 (its losses are bf16: 2 ulps at the third step); ZeRO-3 2.1e-3, 3.0e-2
-BF16_LOSS_TOLERANCE = 0.1
+# Against the single process in bf16 autocast: bf16 rounding, which FSDP2 (bf16 parameters in compute) and DeepSpeed
+# (bf16 weights) add to the autocast's. Measured (loss, weights) after 3 steps: DDP 1.2e-3, 9.4e-3; FSDP2 7.7e-3,
+# 2.9e-2; ZeRO-3 2.1e-3, 3.0e-2. FSDP2 with Accelerate's own policy, which casts the fp32 depth state to bf16 between
+# layers: 5.9e-2 (`keep_depth_state_precise`).
+BF16_LOSS_TOLERANCE = 2e-2
 BF16_WEIGHT_TOLERANCE = 0.05
 TOLERANCES = {"no": (LOSS_TOLERANCE, WEIGHT_TOLERANCE), "bf16": (BF16_LOSS_TOLERANCE, BF16_WEIGHT_TOLERANCE)}
 
