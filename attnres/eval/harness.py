@@ -509,11 +509,12 @@ def evaluate(
 
     results = {}
     described = {}
-    for label, candidate in zip(LABELS, (baseline, model), strict=True):
+    columns = (baseline_label, model_label)
+    for label, column, candidate in zip(LABELS, columns, (baseline, model), strict=True):
         if candidate is None:
             continue
         described[label] = describe(candidate)
-        logger.info("Evaluating %s (%s) on %s", label, described[label], ", ".join(names))
+        logger.info("Evaluating %s (%s) on %s", column, described[label], ", ".join(names))
         with offline_mode(is_offline):
             loaded, loaded_tokenizer = load_model(candidate, tokenizer, dtype, device, trust_remote_code)
         with code_execution_allowed() if allow_code_execution else nullcontext():
@@ -524,7 +525,7 @@ def evaluate(
     notes = ["Offline: the bundled twins of lm-eval's tasks (attnres/eval/tasks)."] if is_offline else []
     rows = compare(results.get("source"), results["attnres"])
     note = fixtures_note(results["attnres"]) if data_path == FIXTURES_DIR else ""
-    report = EvalReport(rows, output_dir / "summary.md", results, (baseline_label, model_label), note)
+    report = EvalReport(rows, output_dir / "summary.md", results, columns, note)
     report.summary_path.write_text(summary_markdown(report, described, settings, notes))
     logger.info("Wrote %s", report.summary_path)
     return report
