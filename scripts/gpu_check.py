@@ -7,7 +7,8 @@
 Stages, each in its own process with a time limit (a stage that fails or runs out of time is one FAILED row; the others
 still run, and the exit status is non-zero):
 - `memory`: saved-activation bytes AttnRes / source (Llama-shaped, d=256, 2 x 256 tokens), Block and Full, 8 and 32
-  layers, in bf16 weights, fp32 under bf16 autocast and fp32, on the GPU.
+  layers, in bf16 weights, fp32 under bf16 autocast and fp32, on the GPU: plain, with activation checkpointing (both
+  kinds) and with `attnres_recompute`.
 - `overhead`: SmolLM2-135M Block and Full against the source in bf16, eager and compiled: prefill, training step,
   decode per token, training peak memory, and the compile times (`benchmarks/overhead.py`).
 - `conversion`: `attnres convert` of SmolLM2-135M verified on the GPU in bfloat16 and float32.
@@ -89,14 +90,15 @@ def converted_folder(work: Path, dtype: str, dry_run: bool) -> Path:
 
 
 def stage_memory(work: Path, dry_run: bool) -> list[tuple]:
-    from overhead import PRECISIONS, saved_memory_ratio
+    from overhead import MEMORY_SETTINGS, PRECISIONS, saved_memory_ratio
 
-    layers, precisions = ((2,), ("fp32",)) if dry_run else ((8, 32), tuple(PRECISIONS))  # CPUs emulate bf16: slow
+    # The CPU emulates bf16, slowly: the dry run measures fp32 at 2 layers, without checkpointing
+    layers, precisions, settings = ((2,), ("fp32",), ("plain",)) if dry_run else ((8, 32), PRECISIONS, MEMORY_SETTINGS)
     return [
-        (f"saved activations, {mode}", f"{precision}, {num_layers} layers",
-         f"{saved_memory_ratio(num_layers, mode, precision, 'plain', device=device_of(dry_run)):.3f}x",
-         "target <= 1.15 (Block), <= 1.30 (Full)")
-        for mode in MODES for num_layers in layers for precision in precisions
+        (f"saved activations, {mode}", f"{setting}; {precision}, {num_layers} layers",
+         f"{saved_memory_ratio(num_layers, mode, precision, setting, device=device_of(dry_run)):.3f}x",
+         "plain: <= 1.15 (Block), <= 1.30 (Full)")
+        for setting in settings for mode in MODES for num_layers in layers for precision in precisions
     ]  # fmt: skip
 
 
@@ -116,9 +118,11 @@ def stage_overhead(work: Path, dry_run: bool) -> list[tuple]:
                                   ("peak memory", "train_peak_memory"))
             )  # fmt: skip
             if world == "compiled":
+                first_calls = {
+                    key: measured[key]["first_call_s"] for key in ("prefill", "train_step", "decode_per_token")
+                }
                 figures += "; compile s (source / AttnRes): " + ", ".join(
-                    f"{key} {measured[key]['first_call_s']['source']:.0f} / {measured[key]['first_call_s']['attnres']:.0f}"
-                    for key in ("prefill", "train_step", "decode_per_token")
+                    f"{key} {seconds['source']:.0f} / {seconds['attnres']:.0f}" for key, seconds in first_calls.items()
                 )
             rows.append((f"{model} {mode}, {args.dtype}", world, figures, "Block target <= 1.03 / 1.05 / 1.05 / 1.05"))
     return rows
@@ -131,7 +135,8 @@ def stage_conversion(work: Path, dry_run: bool) -> list[tuple]:
     for dtype in ("bfloat16", "float32"):
         verification = read_origin(converted_folder(work, dtype, dry_run))["conversion"]["verification"]
         figures = (
-            f"max abs logit diff {verification['max_abs_logit_diff']:.2e}, mean {verification['mean_abs_logit_diff']:.2e}"
+            f"max abs logit diff {verification['max_abs_logit_diff']:.2e}, "
+            f"mean {verification['mean_abs_logit_diff']:.2e}"
             f" (source in {dtype}: mean {verification['source_mean_abs_logit_diff']:.2e}); greedy "
             f"{verification['greedy_tokens_agreeing']}/{verification['greedy_tokens']}"
         )
@@ -173,7 +178,7 @@ def stage_distributed(work: Path, dry_run: bool, engine: str) -> list[tuple]:
     import importlib.util
 
     if engine == "deepspeed_zero3" and importlib.util.find_spec("deepspeed") is None:
-        return [("ZeRO-3 training", "-", "skipped: deepspeed not installed (pip install \"attnres[deepspeed]\")", "-")]
+        return [("ZeRO-3 training", "-", 'skipped: deepspeed not installed (pip install "attnres[deepspeed]")', "-")]
     folder = converted_folder(work, "float32", dry_run)
     output_dir = work / engine
     processes = 2 if dry_run or gpu_count(dry_run) >= 2 else 1
@@ -208,6 +213,7 @@ def stage_vllm(work: Path, dry_run: bool) -> list[tuple]:
     from vllm import LLM, SamplingParams
 
     import attnres  # noqa: F401
+    from attnres.verification import _leading_agreement as leading_agreement
 
     folder = str(converted_folder(work, "bfloat16", dry_run))
     prompts = ["def fibonacci(n):", "The capital of France is"]
@@ -224,8 +230,7 @@ def stage_vllm(work: Path, dry_run: bool) -> list[tuple]:
     engine = LLM(model=folder, model_impl="transformers", dtype="bfloat16", trust_remote_code=True, enforce_eager=True)
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=32, min_tokens=32))
     agreeing = [
-        next((i for i, (a, b) in enumerate(zip(output.outputs[0].token_ids, reference))
-              if a != b), len(reference))  # fmt: skip
+        leading_agreement(torch.tensor(output.outputs[0].token_ids), torch.tensor(reference))
         for output, reference in zip(outputs, expected, strict=True)
     ]
     return [("vLLM Transformers backend", "bf16, greedy 32 tokens", f"leading tokens equal to generate: {agreeing}",
@@ -283,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device: run on a GPU machine, or pass --dry-run to run every stage on the CPU")
     work = args.work or Path(tempfile.mkdtemp(prefix="attnres-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    device = "CPU (dry run: toy sizes)" if args.dry_run else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    device = (
+        "CPU (dry run: toy sizes)" if args.dry_run else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    )
     lines = ["| check | setting | measured | expected | stage s |", "|---|---|---|---|---|"]
     failed = False
     for name in stages:

@@ -215,6 +215,10 @@ FSDP2_CASES = {
     "block-checkpointed": {"attnres": {"attnres_block_size": 2}, "activation_checkpointing": True},
     "full": {"attnres": {"attnres_mode": "full"}, "activation_checkpointing": False},
     "full-checkpointed": {"attnres": {"attnres_mode": "full"}, "activation_checkpointing": True},
+    "block-recomputed": {
+        "attnres": {"attnres_block_size": 2, "attnres_recompute": True},
+        "activation_checkpointing": True,
+    },
 }
 
 
