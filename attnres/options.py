@@ -142,6 +142,13 @@ class TrainingConfig:
     activation_checkpointing: bool = field(
         default=False, metadata={"help": "recompute activations in the backward pass to save memory"}
     )
+    attnres_recompute: bool = field(
+        default=False,
+        metadata={
+            "help": "AttnRes models: also recompute the depth mix's output and the norm after it in the backward "
+            "pass, so that a layer keeps no more than the source's (sets the saved config's attnres_recompute)"
+        },
+    )
     mixed_precision: str = field(
         default="auto",
         metadata={

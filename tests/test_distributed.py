@@ -346,7 +346,8 @@ def test_zero3_gathers_every_partitioned_attnres_parameter(
     checkpoint, corpus_file, single_process, datasets_cache, free_port, tmp_path
 ):
     """Every pseudo-query and key norm is partitioned; a layer reads them as tensors, and DeepSpeed gathers them for
-    it in the forward and the (checkpointed, recomputing) backward: the run equals the single process."""
+    it in the forward and the backward, which recomputes the layer (activation checkpointing) and within it the mix
+    with its norm (`--attnres-recompute`): the run equals the single process, which recomputes neither."""
     deepspeed_config = tmp_path / "zero3.json"
     deepspeed_config.write_text(json.dumps(ZERO3_EVERY_PARAMETER))
     accelerate_config = tmp_path / "zero3.yaml"
@@ -355,7 +356,9 @@ def test_zero3_gathers_every_partitioned_attnres_parameter(
         f"deepspeed_config:\n  deepspeed_config_file: {deepspeed_config}\n  zero3_init_flag: true\n"
     )
     output_dir = tmp_path / "out"
-    arguments = train_arguments(output_dir, checkpoint, corpus_file, activation_checkpointing=True)
+    arguments = train_arguments(
+        output_dir, checkpoint, corpus_file, activation_checkpointing=True, attnres_recompute=True
+    )
     launch(accelerate_config, arguments, datasets_cache, free_port)
     layout = read_metrics(output_dir)[0]["distribution"]
     assert (layout["engine"], layout["world_size"], layout["parameter_share"]) == ("DeepSpeed ZeRO-3", RANKS, 0.5)

@@ -247,6 +247,19 @@ def test_train_attnres_needs_an_attnres_model(checkpoints, data_files, tmp_path)
         run(tmp_path, checkpoints["source"], data_files["jsonl"], train="attnres")
 
 
+def test_attnres_recompute_trains_the_same_weights_and_is_saved(checkpoints, data_files, tmp_path):
+    """`--attnres-recompute` changes what is kept for the backward pass, not what is learned; the exported config
+    records it. A model without depth mix is refused."""
+    plain = run(tmp_path / "plain", checkpoints["attnres"], data_files["jsonl"])
+    recomputed = run(tmp_path / "recomputed", checkpoints["attnres"], data_files["jsonl"], attnres_recompute=True)
+    assert abs(recomputed.metrics["loss"] - plain.metrics["loss"]) <= 1e-6
+    assert max_abs_diff(weights(tmp_path / "plain"), weights(tmp_path / "recomputed")) <= 1e-6
+    saved = json.loads((tmp_path / "recomputed" / "config.json").read_text())
+    assert (saved["attnres_recompute"], saved["attnres_mode"]) == (True, "block")
+    with pytest.raises(TrainingError, match="--attnres-recompute applies to AttnRes models.*--convert"):
+        run(tmp_path / "source", checkpoints["source"], data_files["jsonl"], attnres_recompute=True)
+
+
 def test_lora_adapter_reloads_and_merges_to_the_same_logits(checkpoints, data_files, tmp_path):
     adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
     options = dict(train="lora", lora_r=4, activation_checkpointing=True)

@@ -79,6 +79,13 @@ def start(config: TrainingConfig, accelerator: Accelerator) -> Run:
     with_depth_weights = is_attnres(model)
     if config.activation_checkpointing:
         model.activation_checkpointing_enable()
+    if config.attnres_recompute:
+        if not with_depth_weights:
+            raise TrainingError(
+                f"--attnres-recompute applies to AttnRes models; {config.model} is a {model.config.model_type} "
+                "model: add --convert, or drop --attnres-recompute"
+            )
+        model.config.attnres_recompute = True
     model = make_trainable(model, config)
     optimizer = make_optimizer(model, config)
     scheduler = make_scheduler(optimizer, config)
