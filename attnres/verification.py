@@ -204,7 +204,8 @@ def _attention_noise(model: PreTrainedModel, input_ids: torch.Tensor, run: _Run)
     return implementations, (logits - run.logits).abs().max().item(), nll_diff
 
 
-def _leading_agreement(first: torch.Tensor, second: torch.Tensor) -> int:
+def leading_agreement(first: torch.Tensor, second: torch.Tensor) -> int:
+    """How many leading tokens two generations [T] share."""
     differs = (first != second).nonzero()
     return len(first) if len(differs) == 0 else int(differs[0, 0])
 
@@ -263,7 +264,7 @@ def verify_conversion(
         source_nll=source_run.nll,
         converted_nll=converted_run.nll,
         greedy_tokens=len(source_run.generated),
-        greedy_tokens_agreeing=_leading_agreement(source_run.generated, converted_run.generated),
+        greedy_tokens_agreeing=leading_agreement(source_run.generated, converted_run.generated),
         max_abs_source_logit=source_run.logits.abs().max().item(),
         noise_implementations=noise[0],
         noise_max_abs_logit_diff=noise[1],

@@ -213,7 +213,7 @@ def stage_vllm(work: Path, dry_run: bool) -> list[tuple]:
     from vllm import LLM, SamplingParams
 
     import attnres  # noqa: F401
-    from attnres.verification import _leading_agreement as leading_agreement
+    from attnres.verification import leading_agreement
 
     folder = str(converted_folder(work, "bfloat16", dry_run))
     prompts = ["def fibonacci(n):", "The capital of France is"]
