@@ -19,6 +19,7 @@ import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.state import AcceleratorState
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import FullyShardedDataParallelPlugin, LoggerType
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
@@ -258,6 +259,30 @@ def test_attnres_recompute_trains_the_same_weights_and_is_saved(checkpoints, dat
     assert (saved["attnres_recompute"], saved["attnres_mode"]) == (True, "block")
     with pytest.raises(TrainingError, match="--attnres-recompute applies to AttnRes models.*--convert"):
         run(tmp_path / "source", checkpoints["source"], data_files["jsonl"], attnres_recompute=True)
+
+
+def test_regional_compilation_compiles_every_attnres_layer(tokenizer, data_files, tmp_path, monkeypatch):
+    """Accelerate's regional compilation traces each distinct decoder layer; the 12 layers of a Full model are 12
+    graphs, past dynamo's default limit of 8, where fullgraph fails. `attnres train` raises the limit, and the compiled
+    run (dynamo's eager backend: the tracing without the compiler's cost) trains as the uncompiled one."""
+    model_dir = tmp_path / "full"
+    attnres_twin(tiny_source_model("llama", num_layers=12), seed=0, attnres_mode="full").save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    plain = run(tmp_path / "plain", model_dir, data_files["jsonl"], max_steps=2)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, restored after the test
+    compiled_run = {"BACKEND": "eager", "USE_REGIONAL_COMPILATION": "true", "USE_FULLGRAPH": "true"}
+    for name, value in compiled_run.items():
+        monkeypatch.setenv(f"ACCELERATE_DYNAMO_{name}", value)
+    AcceleratorState._reset_state(reset_partial_state=True)  # this process's state holds an earlier run's settings
+    try:
+        torch._dynamo.utils.counters.clear()
+        compiled = run(tmp_path / "compiled", model_dir, data_files["jsonl"], max_steps=2)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 12  # a graph per layer at least
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch._dynamo.reset()
+    assert abs(compiled.metrics["loss"] - plain.metrics["loss"]) <= 1e-5
+    assert torch._dynamo.config.recompile_limit == 2 * 12 + 8
 
 
 def test_lora_adapter_reloads_and_merges_to_the_same_logits(checkpoints, data_files, tmp_path):

@@ -134,6 +134,19 @@ def shard_with_fsdp2(accelerator: Accelerator) -> None:
     accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
 
 
+def allow_a_graph_per_layer(accelerator: Accelerator, num_layers: int) -> None:
+    """Let Accelerate's regional compilation (`dynamo_config: use_regional_compilation`) compile every AttnRes layer.
+
+    It compiles each decoder layer on its own, and AttnRes layers differ (each reads its own number of sources), so
+    dynamo traces one graph per distinct layer: more than its `recompile_limit` of 8 in a model of 8 blocks or more.
+    Past the limit it fails under fullgraph and leaves the remaining layers uncompiled otherwise. Compiling the model
+    whole makes one graph and needs nothing.
+    """
+    if accelerator.state.dynamo_plugin.use_regional_compilation:
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 2 * num_layers + 8)
+
+
 def keep_depth_state_precise(plugin: FullyShardedDataParallelPlugin) -> None:
     """FSDP2 mixed precision that leaves the depth state between decoder layers as the layers made it.
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import has_compiled_regions, is_compiled_module, set_seed
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
@@ -32,7 +32,7 @@ from ..options import TrainingConfig, TrainingError, parameters_from
 from ..sources import load_source_tokenizer
 from .batches import TrainingProgress, build_datasets, make_data_loaders, training_batches
 from .checkpoints import Checkpoints, MetricsLog, TerminationSignal
-from .engine import distribution, make_accelerator, unsharded_twin
+from .engine import allow_a_graph_per_layer, distribution, make_accelerator, unsharded_twin
 from .recipe import is_attnres, load_model, make_optimizer, make_scheduler, make_trainable, model_location
 
 logger = get_logger(__name__)
@@ -86,6 +86,8 @@ def start(config: TrainingConfig, accelerator: Accelerator) -> Run:
                 "model: add --convert, or drop --attnres-recompute"
             )
         model.config.attnres_recompute = True
+    if with_depth_weights:
+        allow_a_graph_per_layer(accelerator, model.config.num_hidden_layers)
     model = make_trainable(model, config)
     optimizer = make_optimizer(model, config)
     scheduler = make_scheduler(optimizer, config)
@@ -235,6 +237,15 @@ def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tu
     return latest, interrupted
 
 
+def uncompiled(run: Run) -> nn.Module:
+    """The prepared model less what Accelerate's dynamo settings compiled out of place (the whole model, or each layer
+    with regional compilation), whose weights would carry `_orig_mod.` in their names; in-place compilation (FSDP2's
+    and DeepSpeed's regions) changes no name and stays."""
+    if is_compiled_module(run.model) or has_compiled_regions(run.model):
+        return run.accelerator.unwrap_model(run.model, keep_torch_compile=False)
+    return run.model
+
+
 def export(run: Run) -> None:
     """Save the trained model (an AttnRes one with its remote code), or the LoRA adapters, the tokenizer, the origin
     record (`attnres_origin.json`: the source, its conversion and this run added to the runs before it) and the card.
@@ -243,7 +254,7 @@ def export(run: Run) -> None:
     main process rebuilds the model on the CPU, loads the gathered weights into it and merges there.
     """
     accelerator, config = run.accelerator, run.config
-    state_dict = accelerator.get_state_dict(run.model)  # whole on the main process
+    state_dict = accelerator.get_state_dict(uncompiled(run))  # whole on the main process
     if accelerator.is_main_process:
         if config.train == "lora" and config.merge_lora:
             peft_model = make_trainable(load_model(config), config)
@@ -251,7 +262,7 @@ def export(run: Run) -> None:
             model = peft_model.merge_and_unload()
             model.save_pretrained(run.output_dir)
         else:
-            model = accelerator.unwrap_model(run.model)
+            model = accelerator.unwrap_model(uncompiled(run))
             if isinstance(model, FSDPModule):
                 model, state_dict = unsharded_twin(model, state_dict), None
             model.save_pretrained(run.output_dir, state_dict=state_dict)
@@ -326,7 +337,9 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
                 logger.info(f"Uploaded: {commit_url}")
     finally:
         accelerator.end_training()
-    return TrainingResult(output_dir, run.progress.step, metrics, interrupted, accelerator.unwrap_model(run.model))
+    return TrainingResult(
+        output_dir, run.progress.step, metrics, interrupted, accelerator.unwrap_model(uncompiled(run))
+    )
 
 
 def train_from_args(args: argparse.Namespace) -> int:
