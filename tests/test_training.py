@@ -269,20 +269,21 @@ def test_regional_compilation_compiles_every_attnres_layer(tokenizer, data_files
     attnres_twin(tiny_source_model("llama", num_layers=12), seed=0, attnres_mode="full").save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     plain = run(tmp_path / "plain", model_dir, data_files["jsonl"], max_steps=2)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, restored after the test
     compiled_run = {"BACKEND": "eager", "USE_REGIONAL_COMPILATION": "true", "USE_FULLGRAPH": "true"}
     for name, value in compiled_run.items():
         monkeypatch.setenv(f"ACCELERATE_DYNAMO_{name}", value)
     AcceleratorState._reset_state(reset_partial_state=True)  # this process's state holds an earlier run's settings
-    try:
-        torch._dynamo.utils.counters.clear()
-        compiled = run(tmp_path / "compiled", model_dir, data_files["jsonl"], max_steps=2)
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 12  # a graph per layer at least
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        torch._dynamo.reset()
+    # dynamo's own patching (monkeypatch would delete the setting on undo: it is no attribute of the config module)
+    with torch._dynamo.config.patch(recompile_limit=8):  # the default
+        try:
+            torch._dynamo.utils.counters.clear()
+            compiled = run(tmp_path / "compiled", model_dir, data_files["jsonl"], max_steps=2)
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 12  # a graph per layer at least
+            assert torch._dynamo.config.recompile_limit == 2 * 12 + 8
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            torch._dynamo.reset()
     assert abs(compiled.metrics["loss"] - plain.metrics["loss"]) <= 1e-5
-    assert torch._dynamo.config.recompile_limit == 2 * 12 + 8
 
 
 def test_lora_adapter_reloads_and_merges_to_the_same_logits(checkpoints, data_files, tmp_path):
