@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -419,6 +420,18 @@ def train_run(setting: Setting, run: RunSpec, stop_at_step: int | None = None) -
     return folder
 
 
+PAUSED_STEP = 10  # a step this many times the run's median took was paused, not trained
+
+
+def training_seconds(steps: list[dict], tokens_per_step: int) -> float:
+    """Seconds spent in training steps, summed over the steps of the run (whatever sessions it took). Held-out
+    evaluations and loading are not counted, nor pauses: a step over `PAUSED_STEP` times the median (the process was
+    stopped, as this study's workers are while the test suite runs) counts as a median step."""
+    seconds = [tokens_per_step / record["tokens_per_second"] for record in steps]
+    median = statistics.median(seconds)
+    return sum(median if step > PAUSED_STEP * median else step for step in seconds)
+
+
 def held_out_curve(folder: Path, tokens_per_step: int) -> list[list[float]]:
     metrics = read_metrics(folder)
     return [[record["step"] * tokens_per_step, record["eval_loss"]] for record in metrics if "eval_loss" in record]
@@ -454,9 +467,7 @@ def record(setting: Setting, run: RunSpec, folder: Path) -> dict[str, Any]:
         "tokens_per_step": tokens_per_step,
         "curve": held_out_curve(folder, tokens_per_step),
         "training_curve": [[r["step"] * tokens_per_step, r["loss"]] for r in steps],
-        # Seconds spent in training steps, summed over the steps of the run (whatever sessions it took); held-out
-        # evaluations and loading are not counted
-        "wall_s": sum(tokens_per_step / r["tokens_per_second"] for r in steps),
+        "wall_s": training_seconds(steps, tokens_per_step),
         "id": run.id,
         "parent": run.parent,
         "options": run.options,
