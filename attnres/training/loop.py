@@ -238,9 +238,9 @@ def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tu
 
 
 def uncompiled(run: Run) -> nn.Module:
-    """The prepared model less what Accelerate's dynamo settings compiled out of place (the whole model, or each layer
-    with regional compilation), whose weights would carry `_orig_mod.` in their names; in-place compilation (FSDP2's
-    and DeepSpeed's regions) changes no name and stays."""
+    """The prepared model as `get_state_dict` reads it: less what Accelerate's dynamo settings compiled out of place
+    (the whole model, or each layer with regional compilation), whose weights would carry `_orig_mod.` in their names,
+    but still the DeepSpeed engine that gathers ZeRO-3 shards (its regions compile in place, as FSDP2's do)."""
     if is_compiled_module(run.model) or has_compiled_regions(run.model):
         return run.accelerator.unwrap_model(run.model, keep_torch_compile=False)
     return run.model
@@ -262,7 +262,7 @@ def export(run: Run) -> None:
             model = peft_model.merge_and_unload()
             model.save_pretrained(run.output_dir)
         else:
-            model = accelerator.unwrap_model(uncompiled(run))
+            model = accelerator.unwrap_model(run.model, keep_torch_compile=False)
             if isinstance(model, FSDPModule):
                 model, state_dict = unsharded_twin(model, state_dict), None
             model.save_pretrained(run.output_dir, state_dict=state_dict)
@@ -337,9 +337,8 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
                 logger.info(f"Uploaded: {commit_url}")
     finally:
         accelerator.end_training()
-    return TrainingResult(
-        output_dir, run.progress.step, metrics, interrupted, accelerator.unwrap_model(uncompiled(run))
-    )
+    model = accelerator.unwrap_model(run.model, keep_torch_compile=False)
+    return TrainingResult(output_dir, run.progress.step, metrics, interrupted, model)
 
 
 def train_from_args(args: argparse.Namespace) -> int:
