@@ -9,6 +9,7 @@ decode uses the static cache with a compiled forward; the compile time (the firs
     python benchmarks/overhead.py --models tiny --worlds eager --json overhead.json
     python benchmarks/overhead.py --device cuda --dtype bfloat16
     python benchmarks/overhead.py --saved-memory       # bytes kept for the backward pass: bf16, autocast, fp32
+    python benchmarks/overhead.py --compile-time       # CPU seconds of the first compiled training step
 """
 
 import argparse
@@ -22,15 +23,17 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnres
-from attnres.conversion import DTYPES, convert_to_attnres
+from attnres.conversion import DTYPES, attnres_config_for, convert_to_attnres
 from attnres.sources import default_model_path, load_source
 
 
@@ -39,13 +42,20 @@ def source_model(name: str, dtype: torch.dtype) -> torch.nn.Module:
         folder, gguf_file = default_model_path()
         return load_source(folder, dtype, gguf_file)
     if name == "tiny":
-        config = AutoConfig.for_model(
-            "llama", vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=8,
-            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        return tiny_model(8, dtype)
     raise ValueError(f"--models: unknown model {name!r}; expected smollm2 or tiny")
+
+
+def tiny_config(num_layers: int) -> transformers.PreTrainedConfig:
+    return AutoConfig.for_model(
+        "llama", vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def tiny_model(num_layers: int, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(num_layers), dtype=dtype).eval()
 
 
 def keep_freed_memory() -> bool:
@@ -271,6 +281,85 @@ def saved_memory_table(setting: str, layers: tuple[int, ...] = (8, 32), device: 
     return "\n".join(lines)
 
 
+# Compile time: CPU seconds of the first compiled fullgraph training step (forward and backward) of the tiny Llama,
+# each model in a fresh process with an empty inductor cache and one thread, counting the compiler's child processes
+# (the C++ or Triton compiles of the kernels). CPU seconds, unlike wall time, do not grow with the machine's load.
+COMPILE_SCRIPT = """
+import resource, sys, time, torch
+sys.path.insert(0, {benchmarks_dir!r})
+import overhead
+mode, which, num_layers, dtype, device, backend = sys.argv[1:7]
+torch.set_num_threads(1)
+model = overhead.tiny_model(int(num_layers), overhead.DTYPES[dtype])
+if which == "attnres":
+    model = overhead.convert_to_attnres(model, mode=mode)
+model = model.to(device).train()
+ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
+compiled = torch.compile(model, fullgraph=True, backend=backend)
+
+def cpu_seconds():
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+start = cpu_seconds()
+compiled(ids, labels=ids).loss.backward()
+overhead.synchronize(device)
+print(cpu_seconds() - start)
+"""
+KERNEL_SUFFIXES = (".so", ".cubin", ".hsaco")  # a built C++ kernel, a built Triton kernel (CUDA, ROCm)
+
+
+def first_compile(mode: str, which: str, num_layers: int, dtype: str, device: str, backend: str) -> dict:
+    """CPU seconds of the first compiled training step of one model, and how many kernels the compiler built."""
+    script = COMPILE_SCRIPT.format(benchmarks_dir=os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory(prefix="attnres-inductor-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1",
+               "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-c", script, mode, which, str(num_layers), dtype, device, backend],
+            check=True, capture_output=True, text=True, env=env,
+        )  # fmt: skip
+        built = [path for path in Path(cache).rglob("*") if path.name.endswith(KERNEL_SUFFIXES)]
+        kernels = sum(not path.name.endswith(".main.so") for path in built)  # .main.so: the C++ wrapper's own
+    return {"cpu_s": float(result.stdout.split()[-1]), "kernels": kernels}
+
+
+def compile_time_rows(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for mode in args.modes.split(","):
+        for num_layers in (int(n) for n in args.layers.split(",")):
+            print(f"compiling tiny / {mode} / {num_layers} layers ...", file=sys.stderr, flush=True)
+            figures = {
+                which: first_compile(mode, which, num_layers, args.dtype, args.device, args.compile_backend)
+                for which in ("source", "attnres")
+            }
+            block_size = attnres_config_for(tiny_config(num_layers), mode).attnres_block_size
+            rows.append({"mode": mode, "num_layers": num_layers, "block_size": block_size, **figures,
+                         "ratio": figures["attnres"]["cpu_s"] / figures["source"]["cpu_s"]})  # fmt: skip
+    return rows
+
+
+def block_layout(row: dict) -> str:
+    if row["mode"] != "block":
+        return "1 sublayer"
+    return f"{row['block_size']} layer" + ("s" if row["block_size"] > 1 else "")
+
+
+def compile_time_table(rows: list[dict]) -> str:
+    lines = [
+        "First compiled training step, CPU seconds (tiny Llama d=128, 2 x 64 tokens, fresh cache, one thread):",
+        "| mode | layers | blocks of | source s | AttnRes s | AttnRes / source | kernels built (source / AttnRes) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        source, twin = row["source"], row["attnres"]
+        lines.append(
+            f"| {row['mode']} | {row['num_layers']} | {block_layout(row)} | {source['cpu_s']:.1f} "
+            f"| {twin['cpu_s']:.1f} | {row['ratio']:.2f} | {source['kernels']} / {twin['kernels']} |"
+        )
+    return "\n".join(lines)
+
+
 def environment(args: argparse.Namespace) -> dict:
     return {
         "machine": platform.platform(),
@@ -293,7 +382,7 @@ def markdown_table(rows: list[dict]) -> str:
     ]
     for row in rows:
         memory = row["train_peak_memory"]
-        layout = f"{row['block_size']} layers" if row["mode"] == "block" else "1 sublayer"
+        layout = block_layout(row)
         compile_times = "-"
         if row["world"] == "compiled":
             measures = ("prefill", "train_step", "decode_per_token")
@@ -325,6 +414,18 @@ def main(argv: list[str] | None = None) -> None:
         "layers; bf16, fp32 under bf16 autocast, fp32): deterministic bytes, minutes on a CPU",
     )
     parser.add_argument(
+        "--compile-time",
+        action="store_true",
+        help="measure only the CPU seconds of the first compiled training step of the tiny model, source and AttnRes, "
+        "each in a fresh process with an empty compiler cache (--modes, --layers; minutes per model on a CPU)",
+    )
+    parser.add_argument("--layers", default="8,32", help="--compile-time: comma-separated decoder layer counts")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="--compile-time: torch.compile backend (eager measures tracing alone)",
+    )
+    parser.add_argument(
         "--system-malloc", action="store_true", help="time with glibc's default malloc, which returns freed memory"
     )
     args = parser.parse_args(argv)
@@ -337,6 +438,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.saved_memory:
         for setting in MEMORY_SETTINGS:
             print(saved_memory_table(setting, device=args.device) + "\n", flush=True)
+        return
+    if args.compile_time:
+        rows = compile_time_rows(args)
+        print(compile_time_table(rows))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"environment": environment(args), "compile_time": rows}, handle, indent=2)
         return
     rows = []
     for name in args.models.split(","):

@@ -43,3 +43,20 @@ def test_overhead_benchmark_reports_every_figure(tmp_path):
 def test_saved_memory_figures_are_the_published_ones(setting, published, one_thread):
     """Saved activation bytes depend on shapes and dtypes only: the benchmark gives the README's figures exactly."""
     assert round(overhead.saved_memory_ratio(8, "block", "fp32", setting), 3) == published
+
+
+def test_compile_time_benchmark_reports_both_models(tmp_path):
+    """`--compile-time` runs as users run it; dynamo's eager backend keeps it to tracing (no kernels, seconds)."""
+    output = tmp_path / "c.json"
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--compile-time", "--modes", "block,full", "--layers", "2",
+         "--compile-backend", "eager", "--json", output],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    rows = json.loads(output.read_text())["compile_time"]
+    assert [(row["mode"], row["num_layers"], row["block_size"]) for row in rows] == [("block", 2, 1), ("full", 2, 1)]
+    for row in rows:
+        assert row["source"]["cpu_s"] > 0 and row["attnres"]["cpu_s"] > 0
+        assert row["ratio"] == row["attnres"]["cpu_s"] / row["source"]["cpu_s"]
+        assert row["source"]["kernels"] == row["attnres"]["kernels"] == 0  # the eager backend builds none
+    assert "| block | 2 | 1 layer |" in result.stdout and "| full | 2 | 1 sublayer |" in result.stdout
