@@ -137,16 +137,20 @@ print(base, peak)
 """
 
 
+def in_fresh_process(script: str, *args: str, **environment: str) -> list[str]:
+    """Run `script` (a template that imports this module from {benchmarks_dir}) in a new Python process with `args`
+    and these environment variables added; -> the words of the last line it printed."""
+    script = script.format(benchmarks_dir=os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", **environment}
+    result = subprocess.run([sys.executable, "-c", script, *args], check=True, capture_output=True, text=True, env=env)
+    return result.stdout.splitlines()[-1].split()
+
+
 def training_peak_memory(name: str, mode: str, which: str, dtype: str, device: str, world: str) -> tuple[int, int]:
     """(resident bytes before a training step, peak during it), measured in a fresh process for one model."""
-    script = MEMORY_SCRIPT.format(benchmarks_dir=os.path.dirname(os.path.abspath(__file__)))
     # Large blocks go straight back to the OS when freed, so the peak of the second step is the step's own.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TRANSFORMERS_VERBOSITY": "error"}
-    result = subprocess.run(
-        [sys.executable, "-c", script, name, mode, which, dtype, device, world],
-        check=True, capture_output=True, text=True, env=env,
-    )  # fmt: skip
-    base, peak = map(int, result.stdout.split()[-2:])
+    words = in_fresh_process(MEMORY_SCRIPT, name, mode, which, dtype, device, world, MALLOC_MMAP_THRESHOLD_="65536")
+    base, peak = map(int, words)
     return base, peak
 
 
@@ -312,16 +316,13 @@ KERNEL_SUFFIXES = (".main.so", ".cubin", ".hsaco")  # a built C++ kernel, a buil
 def first_compile(mode: str, which: str, num_layers: int, dtype: str, device: str, backend: str) -> dict:
     """CPU seconds of the first compiled training step of one model (of which in the compiler's child processes), and
     how many kernels the compiler built."""
-    script = COMPILE_SCRIPT.format(benchmarks_dir=os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory(prefix="attnres-inductor-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1",
-               "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
-        result = subprocess.run(
-            [sys.executable, "-c", script, mode, which, str(num_layers), dtype, device, backend],
-            check=True, capture_output=True, text=True, env=env,
+        words = in_fresh_process(
+            COMPILE_SCRIPT, mode, which, str(num_layers), dtype, device, backend,
+            TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1",
         )  # fmt: skip
         kernels = sum(path.name.endswith(KERNEL_SUFFIXES) for path in Path(cache).rglob("*"))
-    own, children = map(float, result.stdout.split()[-2:])
+    own, children = map(float, words)
     return {"cpu_s": own + children, "compiler_processes_s": children, "kernels": kernels}
 
 
