@@ -336,6 +336,9 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
                 )
                 logger.info(f"Uploaded: {commit_url}")
     finally:
+        # DeepSpeed's engine lets go of its hooks and communication before the process group goes, not at the
+        # interpreter's exit, where a ZeRO-3 rank once aborted after a finished run (std::terminate, in CI)
+        accelerator.free_memory()
         accelerator.end_training()
     model = accelerator.unwrap_model(run.model, keep_torch_compile=False)
     return TrainingResult(output_dir, run.progress.step, metrics, interrupted, model)
