@@ -160,6 +160,8 @@ def attention_layer_types(text_config) -> list[str]:
 # d hidden size. Plain tensor ops: PyTorch differentiates and compiles them.
 # --------------------------------------------------------------------------------------------------------------------
 
+Sources = torch.Tensor | tuple[torch.Tensor, ...]  # completed sources: stacked [B,T,n,d], or n x [B,T,d] as kept
+
 
 class AttnResPseudoQuery(nn.Module):
     """The pseudo-query w of one sublayer (paper Eq. 3), zero at init (uniform depth weights).
@@ -246,14 +248,26 @@ def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm], devi
     )
 
 
-def score_completed(stacked: torch.Tensor, inv_rms: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Phase 1: logits of the folded queries [q,d] against the completed sources [B,T,n,d], read once. -> [B,T,n,q]"""
-    return (upcast(stacked) @ queries.T) * inv_rms.unsqueeze(-1)
+def score_completed(sources: Sources, inv_rms: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Phase 1: logits of the folded queries [q,d] against the completed sources, each read once. -> [B,T,n,q]"""
+    if isinstance(sources, torch.Tensor):  # stacked [B,T,n,d]
+        logits = upcast(sources) @ queries.T
+    else:
+        logits = torch.stack([upcast(source) @ queries.T for source in sources], dim=-2)
+    return logits * inv_rms.unsqueeze(-1)
+
+
+def read_completed(weights: torch.Tensor, sources: Sources) -> torch.Tensor:
+    """The completed sources weighted by `weights` [B,T,n] and summed. -> [B,T,d] in the sources' dtype"""
+    if isinstance(sources, torch.Tensor):  # stacked [B,T,n,d]
+        return (weights[..., None, :].to(sources.dtype) @ sources).squeeze(-2)
+    mixed = sum(weights[..., i, None] * upcast(source) for i, source in enumerate(sources))
+    return mixed.to(sources[0].dtype)
 
 
 def merge_partial_sum(
     block_logits: torch.Tensor,
-    stacked: torch.Tensor,
+    sources: Sources,
     partial_sum: torch.Tensor | None,
     query: torch.Tensor,
     eps: float,
@@ -262,7 +276,7 @@ def merge_partial_sum(
     """Phase 2: the partial sum [B,T,d] joins the softmax over the completed sources' logits [B,T,n].
 
     One softmax over n + 1 logits equals the paper's online-softmax merge of the two groups; the mixture is then one
-    weighted read of the completed sources [B,T,n,d] plus the partial sum. -> mixed input [B,T,d], depth weights [B,T,S]
+    weighted read of the completed sources plus the partial sum. -> mixed input [B,T,d], depth weights [B,T,S]
     """
     logits = block_logits
     if partial_sum is not None:
@@ -271,8 +285,8 @@ def merge_partial_sum(
     weights = logits.softmax(-1)  # [B,T,S]
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
     value_weights = weights * weights.shape[-1] if scale_by_num_sources else weights
-    num_completed = stacked.shape[-2]
-    mixed = (value_weights[..., None, :num_completed].to(stacked.dtype) @ stacked).squeeze(-2)  # [B,T,d]
+    num_completed = block_logits.shape[-1]
+    mixed = read_completed(value_weights[..., :num_completed], sources)  # [B,T,d]
     if partial_sum is not None:
         partial_weight = value_weights[..., num_completed:].to(partial_sum.dtype)  # [B,T,1]
         mixed = torch.addcmul(mixed, partial_weight, partial_sum)
@@ -321,12 +335,15 @@ def depth_attention(
 
     def mix(queries, block_logits, partial_sum, inv_rms, *completed):
         with fp32_region(inv_rms):
-            stacked = torch.stack(completed, dim=-2)  # [B,T,n,d]
+            # Eager, one stack [B,T,n,d] and two products: few operations, which is what a decode step pays for.
+            # Compiled, one product and one weighted sum per source, which the compiler fuses into kernels that read
+            # each source in place, where a stack would copy them all for every sublayer (and run slower than eager).
+            sources = completed if torch.compiler.is_compiling() else torch.stack(completed, dim=-2)
             later_logits = None
             if block_logits is None:
-                all_logits = score_completed(stacked, inv_rms, queries)  # [B,T,n,q]
+                all_logits = score_completed(sources, inv_rms, queries)  # [B,T,n,q]
                 block_logits, later_logits = all_logits[..., 0], all_logits[..., 1:]
-            mixed, weights = merge_partial_sum(block_logits, stacked, partial_sum, queries[0], eps, scale)
+            mixed, weights = merge_partial_sum(block_logits, sources, partial_sum, queries[0], eps, scale)
         return (input_norm(mixed) if norm_inside else mixed), weights, later_logits
 
     sublayer_input, weights, later_logits = recomputed(mix, queries, block_logits, partial_sum, inv_rms, *completed)
