@@ -199,7 +199,9 @@ def test_each_module_reads_only_its_arguments_and_parameters(
         assert {parameter.device.type for parameter in model.parameters()} == parameter_devices
         logits = model(ids).logits
     print(f"max logit difference {(logits - expected).abs().max().item():.1e}")
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+    # The lazy device runs TorchScript's CPU kernels, whose float32 rounding differs from eager's by about 1e-6 (1.1e-6
+    # on one AVX2 CPU); all on disk computes as eager does, to the bit. A misread tensor errs by far more.
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode, recompute", [("block", False), ("full", False), ("block", True)])

@@ -64,19 +64,22 @@ def test_cache_and_two_phase_change_nothing(family):
     uncached = model.generate(prompt, use_cache=False, **kwargs)
     assert torch.equal(cached, uncached)
 
-    # Two-phase vs naive: the fast path no further from the naive computation in float64 than the naive one in float32
-    # (the scaled-up weights amplify float32 rounding to 1e-6..1e-3 of the scale, depending on the family; dropout off)
+    # Two-phase vs naive (dropout off): in float64 the same function; in float32 about as far from it as the naive
+    # computation. The scaled-up weights amplify float32 rounding to 1e-6..1e-3 of the scale, depending on the family,
+    # and how much of it each path's rounding meets varies with the CPU's kernels (4.6x the naive's for Mistral on one
+    # AVX2 CPU, under 2x on another); a wrong formula errs by far more than 1e-2.
     ids = random_ids(length=12)
-    exact_logits, exact = logits_and_gradients(copy.deepcopy(model).double(), ids, "naive")
-    errors = {}
+    float64_model = copy.deepcopy(model).double()
+    exact_logits, exact = logits_and_gradients(float64_model, ids, "naive")
+    errors = {"float64": error_against(exact_logits, exact, *logits_and_gradients(float64_model, ids, "two_phase"))}
     for implementation in ("naive", "two_phase"):
-        logits, grads = logits_and_gradients(model, ids, implementation)
-        assert grads.keys() == exact.keys()
-        errors[implementation] = max(
-            relative_error(logits, exact_logits), *(relative_error(grads[name], exact[name]) for name in exact)
-        )
-    print(f"{family}: error relative to float64, naive {errors['naive']:.2e}, two-phase {errors['two_phase']:.2e}")
-    assert errors["two_phase"] <= 2 * errors["naive"] + 1e-6
+        errors[implementation] = error_against(exact_logits, exact, *logits_and_gradients(model, ids, implementation))
+    print(
+        f"{family}: two-phase vs naive in float64 {errors['float64']:.1e}; float32 error relative to float64, "
+        f"naive {errors['naive']:.2e}, two-phase {errors['two_phase']:.2e}"
+    )
+    assert errors["float64"] <= 1e-10
+    assert errors["two_phase"] <= 10 * errors["naive"] + 1e-6
 
 
 def logits_and_gradients(model, ids, implementation: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -90,6 +93,12 @@ def logits_and_gradients(model, ids, implementation: str) -> tuple[torch.Tensor,
 
 def relative_error(values: torch.Tensor, exact: torch.Tensor) -> float:
     return (values - exact).abs().max().item() / max(1.0, exact.abs().max().item())
+
+
+def error_against(exact_logits: torch.Tensor, exact: dict, logits: torch.Tensor, grads: dict) -> float:
+    """The largest relative error of the logits and of every parameter's gradient."""
+    assert grads.keys() == exact.keys()
+    return max(relative_error(logits, exact_logits), *(relative_error(grads[name], exact[name]) for name in exact))
 
 
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
