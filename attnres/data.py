@@ -57,19 +57,25 @@ def load_documents(
 ) -> Dataset | IterableDataset:
     """One split of documents: the stdlib corpus (`dataset=None`), local files, or a Hugging Face dataset.
 
-    The stdlib corpus and local files are a single split, `"train"`; hold documents out of it with `split_held_out`.
+    A local folder with a subfolder named after a split (`train/`, `validation/`, ...) holds one split per subfolder;
+    any other local files, and the stdlib corpus, are a single split, `"train"`: hold documents out of it with
+    `split_held_out`.
     """
     if dataset is not None and not os.path.exists(dataset):
         try:
             return load_dataset(dataset, dataset_config, split=split, streaming=streaming)
         except (OSError, ValueError) as error:  # not found, offline, or no such configuration or split
             raise DataError(f"cannot load {split!r} of the dataset {dataset!r}: {error}") from error
-    if split != "train":
+    split_folder = Path(dataset) / split if dataset is not None else None
+    if split_folder is not None and split_folder.is_dir():
+        builder, data_files = local_data_files(split_folder)
+    elif split != "train":
         raise DataError(
             f"{dataset or 'the standard-library corpus'} is one split of documents, with no {split!r} split: hold "
-            "documents out of it with --eval-size instead"
+            f"documents out of it with --eval-size instead{'' if dataset is None else f', or put them in {split_folder}'}"
         )
-    builder, data_files = ("text", stdlib_source_files()) if dataset is None else local_data_files(Path(dataset))
+    else:
+        builder, data_files = ("text", stdlib_source_files()) if dataset is None else local_data_files(Path(dataset))
     # `sample_by="document"`: a text file is one document, not one per line
     text_options = {"sample_by": "document", "encoding_errors": "replace"} if builder == "text" else {}
     return load_dataset(builder, data_files=data_files, split="train", streaming=streaming, **text_options)

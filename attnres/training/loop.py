@@ -195,14 +195,16 @@ def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tu
     tokens_per_step = config.seq_len * config.batch_size * run.accelerator.gradient_accumulation_steps
     tokens_per_step *= run.accelerator.num_processes
     batches = training_batches(run.accelerator, run.train_loader, progress)
-    interval_losses, interval_seconds, interrupted = [], 0.0, False
+    # CPU seconds beside wall seconds: the process's own work, which other processes on the machine do not inflate
+    interval_losses, interval_seconds, interval_cpu_seconds, interrupted = [], 0.0, 0.0, False
     bar = tqdm(total=config.max_steps, initial=progress.step, disable=not run.accelerator.is_main_process, unit="step")
     with TerminationSignal() as termination, bar, logging_redirect_tqdm():  # log lines above the bar, not inside
         run.model.train()
         while progress.step < config.max_steps and not interrupted:
-            step_start = time.perf_counter()
+            step_start, step_cpu_start = time.perf_counter(), time.process_time()
             loss, grad_norm, interrupted = optimizer_step(run, batches, termination)
             interval_seconds += time.perf_counter() - step_start
+            interval_cpu_seconds += time.process_time() - step_cpu_start
             interval_losses.append(loss)
             progress.step += 1
             interrupted = interrupted or progress.step == config.stop_at_step
@@ -221,8 +223,9 @@ def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tu
                     **learning_rates(run.optimizer),
                     "grad_norm": grad_norm,
                     "tokens_per_second": tokens_per_second,
+                    "cpu_seconds_per_step": interval_cpu_seconds / len(interval_losses),
                 }
-                interval_losses, interval_seconds = [], 0.0
+                interval_losses, interval_seconds, interval_cpu_seconds = [], 0.0, 0.0
             if progress.step % config.eval_every == 0 or last_step:
                 record |= evaluate(run)
             if record:
