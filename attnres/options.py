@@ -117,7 +117,7 @@ class TrainingConfig:
     batch_size: int = field(default=8, metadata={"help": "sequences per process per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     lr: float = field(default=5e-5, metadata={"help": "peak learning rate of the pretrained weights (or LoRA)"})
-    # 1e-3 made the converted SmolLM2's loss jump at once; 1e-4 kept pace with plain CPT (docs/quality.md)
+    # 1e-3 made the converted SmolLM2's loss jump at once; 1e-4 kept pace with plain CPT (docs/quality-unpinned.md)
     attnres_lr: float = field(
         default=1e-4, metadata={"help": "peak learning rate of the AttnRes pseudo-queries and key norms"}
     )

