@@ -239,15 +239,17 @@ def from_scratch(study: str, size: str, rule: str, seed: int, budget: Budget, lr
 
 
 def all_runs(smoke: bool = False) -> list[RunSpec]:
-    """Every run, in the order they are worked through: the sweep first (the others take its learning rate), a
-    parent before its children, the small size before the base one."""
+    """Every run, in the order they are worked through: a size's sweep before the runs that take its learning rate,
+    a parent before its children, the small size before the base one."""
     budgets = SMOKE_BUDGETS if smoke else BUDGETS
-    sweep = [
-        from_scratch("sweep", size, "prenorm", seed, budgets["sweep"], lr)
+    sweep = {
+        size: [
+            from_scratch("sweep", size, "prenorm", seed, budgets["sweep"], lr)
+            for seed in range(SEEDS["sweep"])
+            for lr in SWEEP_LRS[size]
+        ]
         for size in SIZES
-        for seed in range(SEEDS["sweep"])
-        for lr in SWEEP_LRS[size]
-    ]
+    }
     table4 = {
         size: [
             from_scratch("table4", size, rule, seed, budgets["table4"], TUNED_LR)
@@ -288,7 +290,7 @@ def all_runs(smoke: bool = False) -> list[RunSpec]:
         for seed in range(SEEDS["cpt-smollm2"])
         for variant, (label, options) in CPT_VARIANTS.items()
     ]
-    return sweep + table4["small"] + long + table4["base"] + converted + smollm2
+    return sweep["small"] + table4["small"] + long + sweep["base"] + table4["base"] + converted + smollm2
 
 
 def select(runs: list[RunSpec], patterns: str | None) -> list[RunSpec]:
