@@ -36,13 +36,16 @@ from .options import (
     MODES,
     TASK_ALIASES,
     TRUST_REMOTE_CODE_HELP,
+    OptionError,
     TrainingConfig,
+    size_in_bytes,
 )
 
 # Errors whose message says what to fix, by (module, class): a module has been imported by the time it raises one.
 USER_ERRORS = (
     ("attnres.sources", "ConversionError"),
     ("attnres.options", "TrainingError"),
+    ("attnres.options", "OptionError"),
     ("attnres.data", "DataError"),
     ("attnres.eval.harness", "EvalError"),
     ("attnres.hub", "HubUploadError"),
@@ -394,7 +397,7 @@ def run_convert(args: argparse.Namespace) -> int:
         dtype=DTYPES[args.dtype],
         verify=not args.no_verify,
         overwrite=args.overwrite,
-        max_shard_size=args.max_shard_size,
+        max_shard_size=size_in_bytes(args.max_shard_size),
         device=args.device,
         trust_remote_code=args.trust_remote_code,
     )
@@ -408,6 +411,30 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.push_to_hub:
         print(f"Uploaded: {push_folder(args.output_dir, args.push_to_hub, 'Upload AttnRes model')}")
     return 0
+
+
+def check_values(args: argparse.Namespace) -> None:
+    """The options a command reads that a parser's types cannot check (counts, sizes, devices, files), checked before
+    anything loads or is written."""
+    import torch
+
+    for name in ("tokens", "limit", "batch_size", "max_gen_toks", "block_size"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1 and args.command != "train":  # train's own options check train's
+            raise OptionError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if getattr(args, "max_shard_size", None) is not None:
+        size_in_bytes(args.max_shard_size)
+    if getattr(args, "mode", None) == "full" and getattr(args, "block_size", None) is not None:
+        raise OptionError("--block-size sets the layers per block of Block AttnRes; Full AttnRes has none")
+    text = getattr(args, "text", None)
+    if text is not None and not Path(text).is_file():
+        raise OptionError(f"--text {text}: no such file")
+    device = getattr(args, "device", None)
+    if device is not None:
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise OptionError(f"--device {device}: not a device; pass cpu, cuda, cuda:1, mps, ...") from None
 
 
 def check_models(command: Command, args: argparse.Namespace) -> None:
@@ -463,6 +490,7 @@ def run(args: argparse.Namespace, debug: bool) -> int:
     module_name, function_name = command.run.split(":")
     with stage_messages(debug), offline_mode(bool(getattr(args, "offline", False))):
         run_command = getattr(importlib.import_module(module_name), function_name)
+        check_values(args)
         check_models(command, args)
         return run_command(args)
 

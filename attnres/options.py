@@ -7,6 +7,7 @@ This module imports only the standard library, so that `attnres --help` and `att
 
 import argparse
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,26 @@ SCHEDULERS = {"cosine": "cosine_with_min_lr", "wsd": "warmup_stable_decay", "con
 
 class TrainingError(RuntimeError):
     """A run that cannot start or go on as asked; the message names the problem and the fix."""
+
+
+class OptionError(ValueError):
+    """An option whose value cannot work (a size, a count, a device, a file); the message names it and what to pass."""
+
+
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # as huggingface_hub reads --max-shard-size
+
+
+def size_in_bytes(size: str) -> int:
+    """'5GB' -> 5000000000; a plain number is bytes. Raises OptionError for anything else or a size below 1 byte."""
+    text = size.strip()
+    number, unit = (text[:-2], SIZE_UNITS[text[-2:].upper()]) if text[-2:].upper() in SIZE_UNITS else (text, 1)
+    try:
+        value = int(float(number) * unit)
+    except (ValueError, OverflowError):
+        value = 0
+    if value < 1:
+        raise OptionError(f"--max-shard-size {size}: pass a size such as 500MB or 5GB (units {', '.join(SIZE_UNITS)})")
+    return value
 
 
 @dataclass
@@ -201,20 +222,44 @@ class TrainingConfig:
 
     def __post_init__(self):
         counts = ("max_steps", "batch_size", "grad_accum", "max_eval_sequences", "shuffle_buffer", "save_total_limit")
-        minimums = {"seq_len": 2} | dict.fromkeys(counts + ("log_every", "eval_every", "save_every"), 1)
+        minimums = {"seq_len": 2} | dict.fromkeys(counts + ("log_every", "eval_every", "save_every", "lora_r"), 1)
         for name, minimum in minimums.items():
             if getattr(self, name) < minimum:
                 raise TrainingError(f"--{name.replace('_', '-')} must be at least {minimum}, got {getattr(self, name)}")
+        for name, (valid, wanted) in NUMBER_RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and valid(value)):
+                raise TrainingError(f"--{name.replace('_', '-')} must be {wanted}, got {value}")
+        if not self.convert and (self.mode != "block" or self.block_size is not None):
+            raise TrainingError("--mode and --block-size choose how --convert converts: add --convert, or drop them")
+        if self.mode == "full" and self.block_size is not None:
+            raise TrainingError("--block-size sets the layers per block of Block AttnRes; Full AttnRes has none")
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
             raise TrainingError(
                 f"--stop-at-step must be between 1 and --max-steps ({self.max_steps}), got {self.stop_at_step}"
             )
-        if self.eval_size <= 0:
-            raise TrainingError(f"--eval-size must be positive, got {self.eval_size}")
         if self.merge_lora and self.train != "lora":
             raise TrainingError("--merge-lora merges LoRA adapters: it needs --train lora")
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
+
+
+# Numeric options that a number of the right type can still make nonsense of: (valid, what to pass); NaN and
+# infinity are refused for all of them
+NUMBER_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "lr": (lambda value: value > 0, "a positive number"),
+    "attnres_lr": (lambda value: value >= 0, "zero (AttnRes parameters kept as they are) or a positive number"),
+    "weight_decay": (lambda value: value >= 0, "zero or a positive number"),
+    "warmup_steps": (lambda value: value >= 0, "zero or a positive number of steps"),
+    "decay_steps": (lambda value: value >= 0, "zero or a positive number of steps"),
+    "min_lr_ratio": (lambda value: 0 <= value <= 1, "between 0 and 1 (a fraction of the peak rate)"),
+    "max_grad_norm": (lambda value: value >= 0, "zero (no clipping) or a positive norm"),
+    "eval_size": (lambda value: value > 0, "positive (a fraction below 1, else a number of documents)"),
+    "block_size": (lambda value: value >= 1, "at least 1 (decoder layers per block)"),
+    "lora_alpha": (lambda value: value > 0, "positive"),
+    "lora_dropout": (lambda value: 0 <= value < 1, "at least 0 and below 1"),
+    "seed": (lambda value: 0 <= value < 2**32, "between 0 and 2**32 - 1"),
+}
 
 
 def parameters_from(args: argparse.Namespace, function: Callable) -> dict[str, Any]:

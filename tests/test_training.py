@@ -394,6 +394,32 @@ def test_convert_under_zero3_asks_to_convert_first(checkpoints, data_files, tmp_
         run(tmp_path, checkpoints["source"], data_files["jsonl"], convert=True)
 
 
+@pytest.mark.parametrize(
+    "option, value, words",
+    [
+        ("max_grad_norm", -1.0, r"--max-grad-norm must be zero \(no clipping\) or a positive norm, got -1.0"),
+        ("min_lr_ratio", -5.0, "--min-lr-ratio must be between 0 and 1"),
+        ("attnres_lr", -1.0, "--attnres-lr must be zero"),
+        ("weight_decay", -1.0, "--weight-decay must be zero or a positive number"),
+        ("warmup_steps", -3, "--warmup-steps must be zero or a positive number of steps"),
+        ("decay_steps", -1, "--decay-steps must be zero or a positive number of steps"),
+        ("lr", float("nan"), "--lr must be a positive number, got nan"),
+        ("lr", float("inf"), "--lr must be a positive number, got inf"),
+        ("seed", -1, "--seed must be between 0 and 2\\*\\*32 - 1"),
+        ("lora_r", 0, "--lora-r must be at least 1"),
+        ("block_size", 2, "--mode and --block-size choose how --convert converts"),
+        ("mode", "full", "--mode and --block-size choose how --convert converts"),
+    ],
+)
+def test_nonsense_numbers_are_refused_before_anything_loads(option, value, words):
+    """Each of these once trained silently into a ruined model (a negative clipping norm made the loss climb)."""
+    with pytest.raises(TrainingError, match=words):
+        TrainingConfig(output_dir="unused", **{option: value})
+    with pytest.raises(TrainingError, match="Full AttnRes has none"):
+        TrainingConfig(output_dir="unused", convert=True, mode="full", block_size=2)
+    TrainingConfig(output_dir="unused", attnres_lr=0.0, max_grad_norm=0.0, warmup_steps=0, min_lr_ratio=1.0)
+
+
 def test_unknown_text_field_fails_at_start(checkpoints, data_files, tmp_path):
     with pytest.raises(DataError, match=r"no text field 'body'; its fields are text\. Pass --text-field"):
         run(tmp_path, checkpoints["attnres"], data_files["jsonl"], text_field="body")
