@@ -11,6 +11,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import time
 from pathlib import Path
 
 import datasets
@@ -167,7 +168,7 @@ def test_resume_continues_exactly(checkpoints, data_files, tmp_path, monkeypatch
     monkeypatch.setattr(AttnResForCausalLM, "forward", forward_then_sigterm)
     interrupted = run(tmp_path / "resumed", checkpoints["attnres"], data_files["small"], **options)
     monkeypatch.undo()
-    assert interrupted.interrupted and interrupted.step == 5
+    assert interrupted.interrupted and interrupted.step == 5 and interrupted.stopped_by == "SIGTERM"
     assert [path.name for path in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step-5"]
     assert not (tmp_path / "resumed" / "model.safetensors").exists()  # nothing exported
 
@@ -319,6 +320,28 @@ def test_lora_adapter_reloads_and_merges_to_the_same_logits(checkpoints, data_fi
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_saves_a_checkpoint_and_exits_as_the_signal_would(signum, status, checkpoints, data_files, tmp_path):
+    """SIGTERM (a scheduler's preemption) and Ctrl-C save the work since the last checkpoint and exit with
+    128 + the signal, not 0: the run did not finish. --resume then continues from the step it stopped at."""
+    output_dir = tmp_path / "out"
+    options = {**TINY_RUN, "max_steps": 100_000, "save_every": 100_000, "log_every": 1}
+    command = [sys.executable, "-m", "attnres.training", "--output-dir", str(output_dir)]
+    command += ["--model", str(checkpoints["attnres"]), "--dataset", str(data_files["jsonl"])]
+    command += [f"--{name.replace('_', '-')}={value}" for name, value in options.items()]
+    child = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (output_dir / "metrics.jsonl").exists() or len(read_metrics(output_dir)) < 3:  # two steps trained
+        assert child.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    child.send_signal(signum)
+    stdout, _ = child.communicate(timeout=120)
+    assert child.returncode == status, stdout
+    step = int(stdout.split("Stopped at step ")[1].split()[0])
+    assert f"({signal.Signals(signum).name}) with a checkpoint saved" in stdout
+    assert [path.name for path in (output_dir / "checkpoints").iterdir()] == [f"step-{step}"] and step >= 2
+
+
 def test_command_exports_a_model_that_loads_without_the_package(checkpoints, data_files, datasets_cache, tmp_path):
     output_dir = tmp_path / "out"
     options = {**TINY_RUN, "max_steps": 2, "save_every": 1}
@@ -377,13 +400,32 @@ def test_default_model_trains_as_is_and_saves(data_files, tmp_path):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_non_finite_loss_stops_with_the_last_good_checkpoint(checkpoints, data_files, tmp_path):
+def test_a_non_finite_step_sets_its_cause_aside_and_the_advised_recovery_works(checkpoints, data_files, tmp_path):
+    """A good run to step 2, then resumed at a huge rate: step 3 is finite, its weights make step 4 non-finite. The
+    checkpoint of step 3 is set aside (it holds finite but ruined weights), step 2 is named as the last good one, and
+    resuming with a lower --lr trains on from it at the new rate to a finite end."""
+    options = dict(save_every=1, save_total_limit=5, max_steps=6, lr_scheduler="constant", warmup_steps=0)
+    run(tmp_path, checkpoints["attnres"], data_files["jsonl"], stop_at_step=2, **options)
+    with pytest.raises(TrainingError, match=r"step 4: the loss is (nan|inf).*set aside as failed-step-3.*the last "
+                                            r"good one is .*step-2: lower --lr"):  # fmt: skip
+        run(tmp_path, checkpoints["attnres"], data_files["jsonl"], resume=True, lr=1e30, attnres_lr=1e30, **options)
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["failed-step-3", "step-1", "step-2"]
+    assert not (tmp_path / "model.safetensors").exists()
+
+    result = run(tmp_path, checkpoints["attnres"], data_files["jsonl"], resume=True, lr=1e-3, **options)
+    assert result.step == 6 and math.isfinite(result.metrics["loss"])
+    logged = read_metrics(tmp_path)
+    changed = next(record for record in logged if "resumed_with_peak_lr" in record)
+    assert changed["step"] == 3 and changed["resumed_with_peak_lr"]["weights"] == [TINY_RUN["lr"], 1e-3]
+    assert [record["lr"] for record in logged if record["step"] > 2 and "lr" in record] == [1e-3] * 4
+
+
+def test_no_good_checkpoint_left_says_start_again(checkpoints, data_files, tmp_path):
     # A learning rate of 1e30 takes a finite first step to weights whose next forward pass overflows.
-    with pytest.raises(TrainingError, match=r"step 2: the loss is (nan|inf).*the last good one"):
+    with pytest.raises(TrainingError, match=r"step 2: the loss is (nan|inf).*no checkpoint before step 1 is left.*"
+                                            r"failed-step-1.*Start again"):  # fmt: skip
         run(tmp_path, checkpoints["attnres"], data_files["jsonl"], lr=1e30, attnres_lr=1e30, save_every=1)
-    assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["step-1"]
-    saved = weights(tmp_path / "checkpoints" / "step-1")
-    assert all(tensor.isfinite().all() for tensor in saved.values())
+    assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["failed-step-1"]
     assert not (tmp_path / "model.safetensors").exists()
 
 

@@ -1,9 +1,10 @@
 """What a run leaves on disk as it goes: checkpoints that are complete or absent, the records of `metrics.jsonl`
-(mirrored to Accelerate's trackers), and SIGTERM turned into a checkpoint and a clean stop.
+(mirrored to Accelerate's trackers), and SIGTERM or Ctrl-C turned into a checkpoint and a clean stop.
 """
 
 import json
 import signal
+import sys
 import threading
 import types
 from pathlib import Path
@@ -53,6 +54,19 @@ class Checkpoints:
         return checkpoint
 
 
+    def set_aside_from(self, step: int) -> list[Path]:
+        """Rename the checkpoints of `step` and later to `failed-step-N`, so that --resume passes them by (they are
+        kept: nothing of the user's is deleted) -> their new paths."""
+        failed = [path for path in self.all() if int(path.name.removeprefix("step-")) >= step]
+        moved = [path.with_name(f"failed-{path.name}") for path in failed]
+        if self.accelerator.is_main_process:
+            for path, target in zip(failed, moved, strict=True):
+                remove(target)  # from an earlier failure at the same step
+                path.rename(target)
+        self.accelerator.wait_for_everyone()
+        return moved
+
+
 class MetricsLog:
     """One JSON record per logged step in `metrics.jsonl`, mirrored to Accelerate's trackers (main process only).
 
@@ -85,20 +99,26 @@ class MetricsLog:
 
 
 class TerminationSignal:
-    """Turns SIGTERM into a request, so that the loop can checkpoint at the next step boundary and stop cleanly."""
+    """Turns SIGTERM and a first Ctrl-C (SIGINT) into a request, so that the loop can checkpoint at the next step
+    boundary and stop cleanly; a second Ctrl-C interrupts at once. `received` is the signal's name, once one came."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.received = False
-        self.previous_handler = None
+        self.received: str | None = None
+        self.previous_handlers: dict[int, Any] = {}
 
     def __enter__(self) -> "TerminationSignal":
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-            self.previous_handler = signal.signal(signal.SIGTERM, self._handle)
+            self.previous_handlers = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
         return self
 
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:
-        self.received = True
+        self.received = signal.Signals(signum).name
+        if signum == signal.SIGINT:  # the next Ctrl-C is the usual KeyboardInterrupt
+            signal.signal(signal.SIGINT, self.previous_handlers[signal.SIGINT])
+            print("Ctrl-C: stopping after this step with a checkpoint; Ctrl-C again stops at once", file=sys.stderr)
 
     def __exit__(self, *exc_info) -> None:
-        if self.previous_handler is not None:
-            signal.signal(signal.SIGTERM, self.previous_handler)
+        for signum, handler in self.previous_handlers.items():
+            signal.signal(signum, handler)

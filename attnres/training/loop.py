@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,7 +34,15 @@ from ..sources import load_source_tokenizer
 from .batches import TrainingProgress, build_datasets, make_data_loaders, training_batches
 from .checkpoints import Checkpoints, MetricsLog, TerminationSignal
 from .engine import allow_a_graph_per_layer, distribution, make_accelerator, unsharded_twin
-from .recipe import is_attnres, load_model, make_optimizer, make_scheduler, make_trainable, model_location
+from .recipe import (
+    apply_resumed_options,
+    is_attnres,
+    load_model,
+    make_optimizer,
+    make_scheduler,
+    make_trainable,
+    model_location,
+)
 
 logger = get_logger(__name__)
 
@@ -64,8 +73,9 @@ class TrainingResult:
     output_dir: Path
     step: int  # optimizer steps done
     metrics: dict[str, Any]  # the latest of each figure logged: loss, eval_loss, depth_weight_entropy, ...
-    interrupted: bool  # stopped by SIGTERM or --stop-at-step: a checkpoint was saved, nothing exported; --resume
+    interrupted: bool  # stopped by a signal or --stop-at-step: a checkpoint was saved, nothing exported; --resume
     model: nn.Module  # the trained model on this process (a PeftModel with --train lora)
+    stopped_by: str | None = None  # "--stop-at-step", "SIGTERM" or "SIGINT" when interrupted
 
 
 def start(config: TrainingConfig, accelerator: Accelerator) -> Run:
@@ -160,21 +170,40 @@ def optimizer_step(
         loss_sum += loss.detach()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), run.config.max_grad_norm or math.inf)
     grad_norm = None if grad_norm is None else float(grad_norm)  # None under DeepSpeed, which clips by its config
-    stop_vote = torch.tensor(float(termination.received), device=accelerator.device)
+    stop_vote = torch.tensor(float(termination.received is not None), device=accelerator.device)
     loss_sum, stop_votes = accelerator.reduce(torch.stack([loss_sum, stop_vote]), reduction="sum").tolist()
     loss = loss_sum / accelerator.gradient_accumulation_steps / accelerator.num_processes
     overflow = grad_norm is not None and not math.isfinite(grad_norm)
     if not math.isfinite(loss) or (overflow and accelerator.scaler is None):  # fp16's scaler skips such steps itself
-        raise TrainingError(
-            f"step {run.progress.step + 1}: the loss is {loss} and the gradient norm {grad_norm}; the run stopped "
-            f"before this step changed the weights. The latest checkpoint in {run.output_dir / CHECKPOINTS_FOLDER} is "
-            "the last good one: lower --lr / --attnres-lr or lengthen --warmup-steps, then continue with --resume."
-        )
+        raise NonFiniteStep(f"step {run.progress.step + 1}: the loss is {loss} and the gradient norm {grad_norm}")
     run.optimizer.step()
     if not run.optimizer.step_was_skipped:
         run.scheduler.step()
     run.optimizer.zero_grad()
     return loss, grad_norm, stop_votes > 0
+
+
+class NonFiniteStep(Exception):
+    """A step whose loss or gradient norm is not finite, found before it changed the weights."""
+
+
+def stop_at_non_finite_step(run: Run, checkpoints: Checkpoints, failure: NonFiniteStep) -> TrainingError:
+    """The error that ends a run at a non-finite step. The weights of the step before it already give a non-finite
+    loss, so the checkpoints from that step on are set aside, and the message names the checkpoint that is left."""
+    set_aside = checkpoints.set_aside_from(run.progress.step)
+    good = checkpoints.latest()
+    fix = "lower --lr / --attnres-lr or lengthen --warmup-steps"
+    aside = f" (set aside as {', '.join(path.name for path in set_aside)})" if set_aside else ""
+    if good is None:
+        return TrainingError(
+            f"{failure}; the run stopped before this step changed the weights, and no checkpoint before step "
+            f"{run.progress.step} is left{aside}. Start again: {fix}, and pass --overwrite or a new --output-dir."
+        )
+    return TrainingError(
+        f"{failure}; the run stopped before this step changed the weights. The checkpoints from step "
+        f"{run.progress.step} on give it{aside}; the last good one is {good}: {fix}, then continue with --resume, "
+        "which trains at the new rates."
+    )
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
@@ -185,8 +214,9 @@ def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     return rates
 
 
-def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tuple[dict[str, Any], bool]:
-    """Train up to `max_steps`, logging, evaluating and checkpointing on the way -> (latest metrics, interrupted)."""
+def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tuple[dict[str, Any], str | None]:
+    """Train up to `max_steps`, logging, evaluating and checkpointing on the way -> (latest metrics, what stopped the
+    run early: "--stop-at-step", a signal's name, or None when it ran to the end)."""
     config, progress = run.config, run.progress
     latest: dict[str, Any] = {}
     if progress.step == 0:
@@ -202,7 +232,10 @@ def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tu
         run.model.train()
         while progress.step < config.max_steps and not interrupted:
             step_start, step_cpu_start = time.perf_counter(), time.process_time()
-            loss, grad_norm, interrupted = optimizer_step(run, batches, termination)
+            try:
+                loss, grad_norm, interrupted = optimizer_step(run, batches, termination)
+            except NonFiniteStep as failure:
+                raise stop_at_non_finite_step(run, checkpoints, failure) from None
             interval_seconds += time.perf_counter() - step_start
             interval_cpu_seconds += time.process_time() - step_cpu_start
             interval_losses.append(loss)
@@ -234,10 +267,11 @@ def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tu
             if progress.step % config.save_every == 0 or interrupted:
                 checkpoint = checkpoints.save(progress.step)
                 logger.info(f"Saved {checkpoint}")
-    if interrupted:
-        reason = "--stop-at-step" if progress.step == config.stop_at_step else "SIGTERM"
-        logger.info(f"Stopped at step {progress.step} ({reason})")
-    return latest, interrupted
+    stopped_by = None
+    if interrupted:  # a signal may have reached another process only
+        stopped_by = termination.received or ("--stop-at-step" if progress.step == config.stop_at_step else "SIGTERM")
+        logger.info(f"Stopped at step {progress.step} ({stopped_by})")
+    return latest, stopped_by
 
 
 def uncompiled(run: Run) -> nn.Module:
@@ -315,19 +349,25 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
         run = start(config, accelerator)
         checkpoints = Checkpoints(output_dir, config.save_total_limit, accelerator)
         resume_from = checkpoints.latest() if config.resume else None
+        resumed_with = {}
         if resume_from is not None:
             accelerator.load_state(resume_from)
             logger.info(f"Resumed from {resume_from} at step {run.progress.step}")
+            resumed_with = apply_resumed_options(run.optimizer, run.scheduler, config)
+            if resumed_with:
+                logger.info(f"Peak learning rates changed on resume (group: [before, now]): {resumed_with}")
         if accelerator.is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
             (output_dir / TRAINING_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
         metrics_log = MetricsLog(output_dir / METRICS_FILE, accelerator, {"distribution": run.distribution})
         metrics_log.forget_from(run.progress.step + 1 if resume_from is not None else 0)
+        if resumed_with:  # recorded at the first step it applies to, so that a resume from before it forgets it
+            metrics_log.write(run.progress.step + 1, {"resumed_with_peak_lr": resumed_with})
         tracked_config = {k: str(v) for k, v in (dataclasses.asdict(config) | run.distribution).items()}
         accelerator.init_trackers("attnres-train", config=tracked_config)
 
-        metrics, interrupted = run_steps(run, checkpoints, metrics_log)
-        if not interrupted:
+        metrics, stopped_by = run_steps(run, checkpoints, metrics_log)
+        if stopped_by is None:
             export(run)
             logger.info(f"Saved the trained model to {output_dir}")
             if config.push_to_hub and accelerator.is_main_process:
@@ -344,14 +384,19 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
         accelerator.free_memory()
         accelerator.end_training()
     model = accelerator.unwrap_model(run.model, keep_torch_compile=False)
-    return TrainingResult(output_dir, run.progress.step, metrics, interrupted, model)
+    return TrainingResult(output_dir, run.progress.step, metrics, stopped_by is not None, model, stopped_by)
 
 
 def train_from_args(args: argparse.Namespace) -> int:
     """Run `train` with the options parsed by `attnres.cli.train_parser` -> the exit status."""
     result = train(TrainingConfig(**parameters_from(args, TrainingConfig)))
-    if result.interrupted:
-        print(f"Stopped at step {result.step} with a checkpoint saved; rerun the command with --resume to continue.")
-    else:
+    if not result.interrupted:
         print(f"Trained {result.step} steps; the model is in {result.output_dir}.")
-    return 0
+        return 0
+    print(
+        f"Stopped at step {result.step} ({result.stopped_by}) with a checkpoint saved; rerun the command with --resume "
+        "to continue."
+    )
+    # Stopped by a signal: 128 + its number, as a process the signal ended, so that a scheduler does not take the
+    # run as finished (and requeues it where it is set to); a planned --stop-at-step pause is a success
+    return 0 if result.stopped_by == "--stop-at-step" else 128 + signal.Signals[result.stopped_by].value

@@ -71,13 +71,38 @@ def make_optimizer(model: nn.Module, config: TrainingConfig) -> torch.optim.Adam
             matrix = len(getattr(parameter, "ds_shape", parameter.shape)) >= 2
             group = "attnres" if is_attnres_parameter(name) else "weights" if matrix else "vectors"
             groups[group].append(parameter)
-    settings = {
-        "weights": {"weight_decay": config.weight_decay},
-        "vectors": {"weight_decay": 0.0},
-        "attnres": {"weight_decay": 0.0, "lr": config.attnres_lr},
-    }
+    settings = group_settings(config)
     param_groups = [{"name": name, "params": params, **settings[name]} for name, params in groups.items() if params]
-    return torch.optim.AdamW(param_groups, lr=config.lr, betas=ADAM_BETAS)
+    return torch.optim.AdamW(param_groups, betas=ADAM_BETAS)
+
+
+def group_settings(config: TrainingConfig) -> dict[str, dict[str, float]]:
+    """Peak learning rate and weight decay of each parameter group."""
+    return {
+        "weights": {"lr": config.lr, "weight_decay": config.weight_decay},
+        "vectors": {"lr": config.lr, "weight_decay": 0.0},
+        "attnres": {"lr": config.attnres_lr, "weight_decay": 0.0},
+    }
+
+
+def apply_resumed_options(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, config: TrainingConfig
+) -> dict[str, list[float]]:
+    """After a checkpoint restored the optimizer and the schedule as they were saved, set each group's peak learning
+    rate and weight decay to `config`'s (the schedule's shape already follows `config`: its functions are made anew,
+    not saved), so that a resumed run trains with the options it is given -> {group: [old peak lr, new peak lr]} for
+    the groups whose settings changed."""
+    settings, changed = group_settings(config), {}
+    for index, group in enumerate(optimizer.param_groups):
+        wanted = settings.get(group.get("name"))
+        if wanted is None:  # a group an engine added (DeepSpeed's), which keeps what the checkpoint says
+            continue
+        if (scheduler.base_lrs[index], group["weight_decay"]) != (wanted["lr"], wanted["weight_decay"]):
+            changed[group["name"]] = [scheduler.base_lrs[index], wanted["lr"]]
+        scheduler.base_lrs[index] = group["initial_lr"] = wanted["lr"]
+        group["weight_decay"] = wanted["weight_decay"]
+        group["lr"] = wanted["lr"] * scheduler.lr_lambdas[index](scheduler.last_epoch)
+    return changed
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainingConfig) -> torch.optim.lr_scheduler.LRScheduler:
