@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -507,6 +508,17 @@ def test_occupied_output_dir_needs_resume(checkpoints, data_files, tmp_path):
 
 
 @pytest.mark.skipif(LoggerType.TENSORBOARD in get_available_trackers(), reason="tensorboard is installed")
+def test_resume_never_trains_into_a_folder_that_holds_no_run(checkpoints, data_files, tmp_path):
+    """A converted model with a file of the user's beside it: --resume refuses it by name and leaves every byte."""
+    folder = tmp_path / "converted"
+    shutil.copytree(checkpoints["attnres"], folder)
+    (folder / "notes.txt").write_text("the user's own file")
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    with pytest.raises(TrainingError, match=r"--resume: .*converted holds no run of attnres train.*--model"):
+        run(folder, checkpoints["attnres"], data_files["small"], resume=True)
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+
+
 def test_missing_tracker_is_a_clear_error(checkpoints, data_files, tmp_path):
     with pytest.raises(TrainingError, match="--report-to tensorboard: pip install tensorboard"):
         run(tmp_path, checkpoints["attnres"], data_files["jsonl"], report_to=["tensorboard"])

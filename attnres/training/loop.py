@@ -343,6 +343,8 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
         fix = f"pass --resume to continue the run saved there, or {fix}"
     inputs = {"the model": model_location(config)[0], "the dataset": config.dataset}  # not --resume's: its own output
     check_output_dir(output_dir, TrainingError, inputs, None if config.resume else fix)
+    if config.resume:
+        check_run_folder(output_dir)
     accelerator = make_accelerator(config)
     accelerator.wait_for_everyone()  # every process has checked OUTPUT_DIR before the first write to it
     try:
@@ -385,6 +387,22 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
         accelerator.end_training()
     model = accelerator.unwrap_model(run.model, keep_torch_compile=False)
     return TrainingResult(output_dir, run.progress.step, metrics, stopped_by is not None, model, stopped_by)
+
+
+RUN_RECORDS = (CHECKPOINTS_FOLDER, METRICS_FILE, TRAINING_CONFIG_FILE)
+
+
+def check_run_folder(output_dir: Path) -> None:
+    """`--resume` continues a run of this tool, or starts one in a new or empty folder; it never trains into a folder
+    of something else (a converted model, the user's files), whose files the run would mix with or replace."""
+    if not output_dir.is_dir() or not any(output_dir.iterdir()):
+        logger.info(f"Nothing to resume in {output_dir}: starting a new run")
+        return
+    if not any((output_dir / name).exists() for name in RUN_RECORDS):
+        raise TrainingError(
+            f"--resume: {output_dir} holds no run of attnres train (no {', '.join(RUN_RECORDS)}), and a run would "
+            "replace or mix with what it holds; choose a new --output-dir (to train that model, pass it as --model)"
+        )
 
 
 def train_from_args(args: argparse.Namespace) -> int:
