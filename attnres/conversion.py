@@ -20,7 +20,7 @@ from transformers.utils import logging as hf_logging
 from .auto import added_parameter_count, is_attnres_parameter
 from .cards import conversion_record, describe_layout, model_card, origin_record, write_origin
 from .configuration_attnres import AttnResConfig
-from .folders import check_output_dir, written_whole
+from .folders import check_output_dir, output_lock, written_whole
 from .modeling_attnres import AttnResForCausalLM
 from .options import CONVERT_DTYPES
 from .sources import (
@@ -166,42 +166,43 @@ def convert_checkpoint(
     `trust_remote_code`.
     """
     source, output_dir = str(source), Path(output_dir)
-    replace_fix = None if overwrite else "pass --overwrite (overwrite=True) to replace it"
-    check_output_dir(output_dir, ConversionError, {"the source model": source}, replace_fix)
-    config = attnres_config_for(load_source_config(source, gguf_file, trust_remote_code), mode, block_size)
-    logger.info("Source: %s", source + (f", {gguf_file}" if gguf_file else ""))
-    logger.info(describe_layout(config))
+    with output_lock(output_dir, ConversionError):  # two conversions into one folder would mix their files
+        replace_fix = None if overwrite else "pass --overwrite (overwrite=True) to replace it"
+        check_output_dir(output_dir, ConversionError, {"the source model": source}, replace_fix)
+        config = attnres_config_for(load_source_config(source, gguf_file, trust_remote_code), mode, block_size)
+        logger.info("Source: %s", source + (f", {gguf_file}" if gguf_file else ""))
+        logger.info(describe_layout(config))
 
-    tokenizer = None
-    if has_tokenizer(source, gguf_file):
-        logger.info("[1/4] Loading the source model and tokenizer")
-        tokenizer = load_source_tokenizer(source, gguf_file, trust_remote_code)
-    else:
-        logger.info(
-            "[1/4] Loading the source model. It has no tokenizer (%s): the verification runs on random token ids "
-            "instead of the sample text, and the converted folder has no tokenizer either; add the tokenizer files "
-            "of the model it was made from to the source folder for both",
-            ", ".join(TOKENIZER_FILES),
-        )
-    source_model = load_source(source, dtype, gguf_file, trust_remote_code)
-    logger.info("[2/4] Converting")
-    model = convert_to_attnres(source_model, mode, block_size)
-    logger.info("AttnRes adds %s parameters", f"{added_parameter_count(model):,}")
+        tokenizer = None
+        if has_tokenizer(source, gguf_file):
+            logger.info("[1/4] Loading the source model and tokenizer")
+            tokenizer = load_source_tokenizer(source, gguf_file, trust_remote_code)
+        else:
+            logger.info(
+                "[1/4] Loading the source model. It has no tokenizer (%s): the verification runs on random token ids "
+                "instead of the sample text, and the converted folder has no tokenizer either; add the tokenizer files "
+                "of the model it was made from to the source folder for both",
+                ", ".join(TOKENIZER_FILES),
+            )
+        source_model = load_source(source, dtype, gguf_file, trust_remote_code)
+        logger.info("[2/4] Converting")
+        model = convert_to_attnres(source_model, mode, block_size)
+        logger.info("AttnRes adds %s parameters", f"{added_parameter_count(model):,}")
 
-    report = None
-    if verify:
-        logger.info("[3/4] Verifying against the source")
-        report = verify_conversion(source_model.to(device), model.to(device), tokenizer)
-        if not report.passed:
-            raise VerificationError(report)
-    del source_model  # its weights live on in the converted model; anything else it held (a vision tower) goes
+        report = None
+        if verify:
+            logger.info("[3/4] Verifying against the source")
+            report = verify_conversion(source_model.to(device), model.to(device), tokenizer)
+            if not report.passed:
+                raise VerificationError(report)
+        del source_model  # its weights live on in the converted model; anything else it held (a vision tower) goes
 
-    logger.info("[4/4] Writing %s", output_dir)
-    origin = origin_record(source, gguf_file, conversion_record(model, report))
-    with written_whole(output_dir) as staging:
-        model.save_pretrained(staging, max_shard_size=max_shard_size)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        write_origin(staging, origin)
-        model_card(model.config, origin).save(staging / "README.md")
-    return report
+        logger.info("[4/4] Writing %s", output_dir)
+        origin = origin_record(source, gguf_file, conversion_record(model, report))
+        with written_whole(output_dir) as staging:
+            model.save_pretrained(staging, max_shard_size=max_shard_size)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            write_origin(staging, origin)
+            model_card(model.config, origin).save(staging / "README.md")
+        return report

@@ -117,6 +117,43 @@ def written_whole(path: Path) -> Iterator[Path]:
             remove(staging)
 
 
+@contextmanager
+def output_lock(path: Path, error: type[Exception]) -> Iterator[None]:
+    """Hold `path` (an output file or folder) for this process while a command writes it: a lock file beside it,
+    `.NAME.lock`, made atomically with the process id in it and removed at the end. A second command on the same
+    output is refused with `error`; a lock whose process is gone (killed) is taken over."""
+    lock = path.with_name(f".{path.name}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            owner = lock_owner(lock)
+            if owner is not None:
+                raise error(
+                    f"{path} is being written by another attnres process (pid {owner}); wait for it to finish, or "
+                    "choose another output folder"
+                ) from None
+            lock.unlink(missing_ok=True)  # left by a process that is gone
+    os.write(descriptor, str(os.getpid()).encode())
+    os.close(descriptor)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def lock_owner(lock: Path) -> int | None:
+    """The live process that holds `lock`, or None when the lock is stale (its process is gone, or it is unreadable)."""
+    try:
+        owner = int(lock.read_text().strip() or 0)
+        os.kill(owner, 0)  # signal 0: only whether the process exists
+    except (ValueError, OSError) as failure:
+        return owner if isinstance(failure, PermissionError) else None  # another user's live process
+    return owner if owner > 0 else None
+
+
 def read_metrics(folder: Path) -> list[dict[str, Any]]:
     """The records of `metrics.jsonl` that `attnres train` wrote in `folder`; empty for any other folder."""
     file = folder / METRICS_FILE

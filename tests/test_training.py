@@ -35,9 +35,11 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedToken
 
 from attnres import AttnResForCausalLM
 from attnres.data import DataError, pack, stdlib_source_files
-from attnres.folders import read_metrics
+from attnres.conversion import convert_checkpoint
+from attnres.folders import output_lock, read_metrics
 from attnres.modeling_attnres import AttnResDecoderLayer
 from attnres.options import TrainingConfig
+from attnres.sources import ConversionError
 from attnres.training import TrainingError, build_datasets, train
 
 # Standard-library modules whose source is the test corpus: real code, a few hundred KB, on every machine.
@@ -517,6 +519,26 @@ def test_resume_never_trains_into_a_folder_that_holds_no_run(checkpoints, data_f
     with pytest.raises(TrainingError, match=r"--resume: .*converted holds no run of attnres train.*--model"):
         run(folder, checkpoints["attnres"], data_files["small"], resume=True)
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+
+
+def test_two_runs_on_one_output_folder_one_is_refused(checkpoints, data_files, tmp_path):
+    """A live process holds the folder: the second run is refused in one line and writes nothing; a lock left by a
+    process that is gone is taken over, and the run removes it at the end."""
+    lock = tmp_path / ".out.lock"
+    lock.write_text(str(os.getppid()))  # a live process: the one that started pytest
+    with pytest.raises(TrainingError, match=rf"{tmp_path / 'out'} is being written by another attnres process"):
+        run(tmp_path / "out", checkpoints["attnres"], data_files["small"])
+    assert not (tmp_path / "out").exists()
+    lock.write_text("999999999")  # gone
+    assert run(tmp_path / "out", checkpoints["attnres"], data_files["small"], max_steps=1).step == 1
+    assert not lock.exists()
+
+
+def test_two_conversions_into_one_folder_one_is_refused(checkpoints, tmp_path):
+    with output_lock(tmp_path / "converted", ConversionError):
+        with pytest.raises(ConversionError, match="is being written by another attnres process"):
+            convert_checkpoint(checkpoints["source"], tmp_path / "converted", verify=False)
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 
 def test_missing_tracker_is_a_clear_error(checkpoints, data_files, tmp_path):

@@ -3,9 +3,11 @@ logging, evaluations and checkpoints, and exports the trained model with its ori
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -27,7 +29,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..analysis import depth_weight_entropy, sublayer_names
 from ..cards import conversion_record, model_card, origin_record, read_origin, write_origin
-from ..folders import CHECKPOINTS_FOLDER, METRICS_FILE, TRAINING_CONFIG_FILE, check_output_dir, read_metrics
+from ..folders import (
+    CHECKPOINTS_FOLDER,
+    METRICS_FILE,
+    TRAINING_CONFIG_FILE,
+    check_output_dir,
+    output_lock,
+    read_metrics,
+)
 from ..hub import push_folder
 from ..options import TrainingConfig, TrainingError, parameters_from
 from ..sources import load_source_tokenizer
@@ -345,6 +354,14 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
     check_output_dir(output_dir, TrainingError, inputs, None if config.resume else fix)
     if config.resume:
         check_run_folder(output_dir)
+    # One run per output folder; the launcher's first process holds it for all (they share the folder)
+    first_process = os.environ.get("RANK", "0") == "0"
+    with output_lock(output_dir, TrainingError) if first_process else contextlib.nullcontext():
+        return run_training(config, output_dir)
+
+
+def run_training(config: TrainingConfig, output_dir: Path) -> TrainingResult:
+    """`train` once its output folder is checked and held: every process's part of the run."""
     accelerator = make_accelerator(config)
     accelerator.wait_for_everyone()  # every process has checked OUTPUT_DIR before the first write to it
     try:
