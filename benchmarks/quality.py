@@ -68,7 +68,7 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig, Llama
 import attnres
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.auto import is_attnres_parameter
-from attnres.folders import read_metrics, written_whole
+from attnres.folders import lock_owner, read_metrics, written_whole
 from attnres.options import DEFAULT_SOURCE, TrainingConfig
 from attnres.sources import load_source_tokenizer
 from attnres.training import build_datasets, train
@@ -503,11 +503,9 @@ def claimed(setting: Setting, run_id: str) -> Iterator[bool]:
     try:
         descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
-        with contextlib.suppress(ValueError, OSError):
-            owner = int(lock.read_text() or 0)
-            if owner and Path(f"/proc/{owner}").exists():
-                yield False
-                return
+        if lock_owner(lock) is not None:
+            yield False
+            return
         lock.unlink(missing_ok=True)  # left by a process that is gone
         descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     os.write(descriptor, str(os.getpid()).encode())
