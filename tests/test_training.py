@@ -521,6 +521,21 @@ def test_resume_never_trains_into_a_folder_that_holds_no_run(checkpoints, data_f
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
 
 
+def test_resume_passes_by_empty_and_damaged_checkpoints(checkpoints, data_files, tmp_path, caplog):
+    """The newest checkpoint truncated and an empty `step-99`: --resume sets the damaged one aside, says so, and goes
+    on from the one before it to the same end as a run that was never stopped."""
+    options = dict(max_steps=4, save_every=1, save_total_limit=3)
+    straight = run(tmp_path / "straight", checkpoints["attnres"], data_files["small"], **options)
+    run(tmp_path / "out", checkpoints["attnres"], data_files["small"], stop_at_step=3, **options)
+    weights_file = tmp_path / "out" / "checkpoints" / "step-3" / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:1000])
+    (tmp_path / "out" / "checkpoints" / "step-99").mkdir()
+    resumed = run(tmp_path / "out", checkpoints["attnres"], data_files["small"], resume=True, **options)
+    assert "step-3 does not load" in caplog.text and "set aside as" in caplog.text
+    assert "damaged-step-3" in [path.name for path in (tmp_path / "out" / "checkpoints").iterdir()]
+    assert resumed.step == 4 and resumed.metrics["loss"] == pytest.approx(straight.metrics["loss"], abs=1e-6)
+
+
 def test_two_runs_on_one_output_folder_one_is_refused(checkpoints, data_files, tmp_path):
     """A live process holds the folder: the second run is refused in one line and writes nothing; a lock left by a
     process that is gone is taken over, and the run removes it at the end."""

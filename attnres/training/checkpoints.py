@@ -3,6 +3,8 @@
 """
 
 import json
+import logging
+import pickle
 import signal
 import sys
 import threading
@@ -11,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
+from safetensors import SafetensorError
 
-from ..folders import CHECKPOINTS_FOLDER, put_in_place, remove, staging_path
+from ..folders import CHECKPOINTS_FOLDER, put_in_place, remove, staging_path, written_whole
+
+logger = logging.getLogger(__name__)
 
 
 class Checkpoints:
@@ -32,11 +37,32 @@ class Checkpoints:
         """Completed checkpoints, oldest first."""
         if not self.folder.is_dir():
             return []
-        completed = [path for path in self.folder.glob("step-*") if path.name.removeprefix("step-").isdigit()]
+        completed = [
+            path
+            for path in self.folder.glob("step-*")
+            if path.name.removeprefix("step-").isdigit() and any(path.iterdir())  # an emptied one is no checkpoint
+        ]
         return sorted(completed, key=lambda path: int(path.name.removeprefix("step-")))
 
     def latest(self) -> Path | None:
         return next(reversed(self.all()), None)
+
+    def load_latest(self) -> Path | None:
+        """Restore the newest checkpoint that loads; one that does not (truncated, damaged) is set aside as
+        `damaged-step-N`, saying so, and the one before it is tried -> the checkpoint restored, or None."""
+        for checkpoint in reversed(self.all()):
+            try:
+                self.accelerator.load_state(checkpoint)
+                return checkpoint
+            except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, SafetensorError) as error:
+                target = checkpoint.with_name(f"damaged-{checkpoint.name}")
+                logger.warning(f"{checkpoint} does not load ({type(error).__name__}: {error}); set aside as {target}")
+                self.accelerator.wait_for_everyone()
+                if self.accelerator.is_main_process:
+                    remove(target)
+                    checkpoint.rename(target)
+                self.accelerator.wait_for_everyone()
+        return None
 
     def save(self, step: int) -> Path:
         accelerator, checkpoint = self.accelerator, self.folder / f"step-{step}"
@@ -82,7 +108,8 @@ class MetricsLog:
         """Drop the records of `step` and later, which this run logs anew (after the checkpoint it resumed from)."""
         if self.accelerator.is_main_process and self.path.exists():
             records = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] < step]
-            self.path.write_text("".join(line + "\n" for line in records))
+            with written_whole(self.path) as staging:  # a kill here leaves the old records, never an empty file
+                staging.write_text("".join(line + "\n" for line in records))
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         metrics, self.opening = self.opening | metrics, {}

@@ -36,6 +36,7 @@ from ..folders import (
     check_output_dir,
     output_lock,
     read_metrics,
+    written_whole,
 )
 from ..hub import push_folder
 from ..options import TrainingConfig, TrainingError, parameters_from
@@ -367,17 +368,17 @@ def run_training(config: TrainingConfig, output_dir: Path) -> TrainingResult:
     try:
         run = start(config, accelerator)
         checkpoints = Checkpoints(output_dir, config.save_total_limit, accelerator)
-        resume_from = checkpoints.latest() if config.resume else None
+        resume_from = checkpoints.load_latest() if config.resume else None
         resumed_with = {}
         if resume_from is not None:
-            accelerator.load_state(resume_from)
             logger.info(f"Resumed from {resume_from} at step {run.progress.step}")
             resumed_with = apply_resumed_options(run.optimizer, run.scheduler, config)
             if resumed_with:
                 logger.info(f"Peak learning rates changed on resume (group: [before, now]): {resumed_with}")
         if accelerator.is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
-            (output_dir / TRAINING_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+            with written_whole(output_dir / TRAINING_CONFIG_FILE) as staging:
+                staging.write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
         metrics_log = MetricsLog(output_dir / METRICS_FILE, accelerator, {"distribution": run.distribution})
         metrics_log.forget_from(run.progress.step + 1 if resume_from is not None else 0)
         if resumed_with:  # recorded at the first step it applies to, so that a resume from before it forgets it
