@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .configuration_attnres import AttnResConfig
+from .configuration_attnres import FAMILIES, AttnResConfig
 from .folders import check_output_dir
-from .modeling_attnres import FAMILIES, AttnResForCausalLM
+from .modeling_attnres import AttnResForCausalLM
 from .verification import SAMPLE_TEXT
 
 if TYPE_CHECKING:  # matplotlib is the `plots` extra: imported where a picture is drawn (training needs only entropies)

@@ -4,11 +4,13 @@
 AttnRes settings. Attributes of the source architecture (`hidden_size`, `vocab_size`, ...) read through to
 `text_config`, so code written for the source model keeps working on `model.config`.
 
-This file is copied next to the weights as remote code: it imports only `transformers` (and `packaging`, which
-transformers requires).
+It also holds `FAMILIES`, the table of the source families AttnRes supports: data only, so that a config is checked
+without torch. This file is copied next to the weights as remote code: it imports only `transformers`, `packaging`
+(which transformers requires) and the standard library.
 """
 
 import math
+from dataclasses import dataclass
 
 import transformers
 from packaging.version import Version
@@ -26,28 +28,88 @@ if Version(transformers.__version__) < Version(OLDEST_TRANSFORMERS):
 from transformers import AutoConfig, PreTrainedConfig  # noqa: E402
 from transformers.configuration_utils import SubConfigSpec  # noqa: E402
 
-# Source families whose decoder layers AttnRes rewires (the `model_type` of their text config).
-SUPPORTED_FAMILIES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "mixtral",
-    "gemma3_text",
-    "ministral",
-    "ministral3",
-    "smollm3",
-    "phi3",
-    "granite",
-    "glm4",
-    "gemma2",
-    "olmo2",
-    "olmo3",
-    "exaone4",
-    "gpt_oss",
-    "deepseek_v3",
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one source family's modules and run the two sublayers of its decoder layer: data, which
+    modeling_attnres.py acts on.
+
+    Every family is PreNorm in the sense AttnRes needs: each sublayer reads the residual stream (through its input norm,
+    if it has one) and adds its output to it. Where families differ, a field below names the difference.
+    """
+
+    module_name: str  # transformers.models.<module_name>.modeling_<module_name>
+    class_prefix: str  # e.g. "Qwen3Moe" for Qwen3MoeDecoderLayer, Qwen3MoeRMSNorm, ...
+    # None: the sublayer reads the stream itself (OLMo-2/3, EXAONE-4 normalise only outputs); it then needs
+    # `attnres_scale_by_num_sources` to read the plain sum rather than the mean at zero queries.
+    attention_input_norm: str | None = "input_layernorm"
+    attention_output_norm: str | None = None  # Gemma2/3's sandwich norms normalise the sublayer outputs too
+    mlp_input_norm: str | None = "post_attention_layernorm"
+    mlp_output_norm: str | None = None
+    # Phi-3: the (attention, MLP) dropout modules applied to the sublayer outputs before the residual add
+    output_dropouts: tuple[str, str] | None = None
+    scaled_embedding: bool = False  # Gemma2/3 multiply the token embedding by sqrt(hidden_size)
+    rope_per_layer_type: bool = False  # Gemma3, OLMo-3: separate RoPE parameters for sliding and full attention layers
+    num_experts_key: str | None = None  # MoE families with a load-balancing loss: the config field of the experts count
+    mlp_returns_tuple: bool = False  # GPT-OSS: the MLP returns (output, router scores)
+    # Granite's scalars, as config fields: the embedding is multiplied by one, each sublayer output by another before
+    # the residual add, and the logits are divided by a third
+    embedding_multiplier_key: str | None = None
+    residual_multiplier_key: str | None = None
+    logits_divisor_key: str | None = None
+    # Gemma2: sdpa cannot softcap the attention logits. Its own models declare so from transformers 5.21 on; on 5.20
+    # they ran sdpa without the softcapping, which a saved model must not do there either.
+    supports_sdpa: bool = True
+
+
+# Sandwich-norm layers: input and output norms around both sublayers (Gemma2, Gemma3)
+SANDWICH_NORMS = dict(
+    attention_output_norm="post_attention_layernorm",
+    mlp_input_norm="pre_feedforward_layernorm",
+    mlp_output_norm="post_feedforward_layernorm",
 )
+# Output norms only, no input norm (OLMo-2, OLMo-3, EXAONE-4)
+OUTPUT_NORMS_ONLY = dict(
+    attention_input_norm=None,
+    attention_output_norm="post_attention_layernorm",
+    mlp_input_norm=None,
+    mlp_output_norm="post_feedforward_layernorm",
+)
+
+# The source families whose decoder layers AttnRes rewires, by the `model_type` of their text config: the one
+# declaration of them. The configuration checks a config against its keys (without torch); the model builds and runs
+# the family's modules from its rows.
+FAMILIES = {
+    "llama": Family("llama", "Llama"),
+    "mistral": Family("mistral", "Mistral"),
+    "qwen2": Family("qwen2", "Qwen2"),
+    "qwen3": Family("qwen3", "Qwen3"),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3Moe", num_experts_key="num_experts"),
+    "mixtral": Family("mixtral", "Mixtral", num_experts_key="num_local_experts"),
+    "gemma3_text": Family("gemma3", "Gemma3", **SANDWICH_NORMS, scaled_embedding=True, rope_per_layer_type=True),
+    "ministral": Family("ministral", "Ministral"),
+    "ministral3": Family("ministral3", "Ministral3"),
+    "smollm3": Family("smollm3", "SmolLM3"),
+    "phi3": Family("phi3", "Phi3", output_dropouts=("resid_attn_dropout", "resid_mlp_dropout")),
+    "granite": Family(
+        "granite",
+        "Granite",
+        embedding_multiplier_key="embedding_multiplier",
+        residual_multiplier_key="residual_multiplier",
+        logits_divisor_key="logits_scaling",
+    ),
+    "glm4": Family(
+        "glm4", "Glm4", attention_output_norm="post_self_attn_layernorm", mlp_output_norm="post_mlp_layernorm"
+    ),
+    "gemma2": Family("gemma2", "Gemma2", **SANDWICH_NORMS, scaled_embedding=True, supports_sdpa=False),
+    "olmo2": Family("olmo2", "Olmo2", **OUTPUT_NORMS_ONLY),
+    "olmo3": Family("olmo3", "Olmo3", **OUTPUT_NORMS_ONLY, rope_per_layer_type=True),
+    "exaone4": Family("exaone4", "Exaone4", **OUTPUT_NORMS_ONLY),
+    "gpt_oss": Family("gpt_oss", "GptOss", num_experts_key="num_local_experts", mlp_returns_tuple=True),  # eager: sinks
+    "deepseek_v3": Family("deepseek_v3", "DeepseekV3"),  # MLA, dense first layers then routed + shared experts
+}
+SUPPORTED_FAMILIES = tuple(FAMILIES)
+
 # Architectures that cannot convert exactly, refused by name (`model_type`) with what they have and why. AttnRes needs
 # two sequential sublayers per layer, each reading the residual stream (through its own input norm, or raw) and adding
 # its output to it: a depth mixture then replaces exactly what each sublayer read (paper §3).
@@ -229,4 +291,4 @@ class AttnResConfig(PreTrainedConfig):
         return counts + [completed + 1]
 
 
-__all__ = ["AttnResConfig", "SUPPORTED_FAMILIES"]
+__all__ = ["AttnResConfig", "FAMILIES", "SUPPORTED_FAMILIES"]

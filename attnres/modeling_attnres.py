@@ -35,7 +35,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_attnres import AttnResConfig
+from .configuration_attnres import FAMILIES, AttnResConfig, Family
 
 # Saved next to the weights, this file runs on every transformers from OLDEST_TRANSFORMERS on. 5.24 renamed the KV
 # cache from `past_key_values` to `cache` (the argument of models, layers and mask builders, and the output field):
@@ -55,96 +55,22 @@ except ImportError:  # before 5.21 each model slices itself, for an int or a 1D 
         return hidden_states[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]
 
 # --------------------------------------------------------------------------------------------------------------------
-# Source families: the only place where they differ.
+# Source families: the table lives in the configuration (data only); here, what it names.
 # --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Family:
-    """How to build one source family's modules and run the two sublayers of its decoder layer.
-
-    Every family is PreNorm in the sense AttnRes needs: each sublayer reads the residual stream (through its input norm,
-    if it has one) and adds its output to it. Where families differ, a field below names the difference.
-    """
-
-    module_name: str  # transformers.models.<module_name>.modeling_<module_name>
-    class_prefix: str  # e.g. "Qwen3Moe" for Qwen3MoeDecoderLayer, Qwen3MoeRMSNorm, ...
-    # None: the sublayer reads the stream itself (OLMo-2/3, EXAONE-4 normalise only outputs); it then needs
-    # `attnres_scale_by_num_sources` to read the plain sum rather than the mean at zero queries.
-    attention_input_norm: str | None = "input_layernorm"
-    attention_output_norm: str | None = None  # Gemma2/3's sandwich norms normalise the sublayer outputs too
-    mlp_input_norm: str | None = "post_attention_layernorm"
-    mlp_output_norm: str | None = None
-    # Phi-3: the (attention, MLP) dropout modules applied to the sublayer outputs before the residual add
-    output_dropouts: tuple[str, str] | None = None
-    scaled_embedding: bool = False  # Gemma2/3 multiply the token embedding by sqrt(hidden_size)
-    rope_per_layer_type: bool = False  # Gemma3, OLMo-3: separate RoPE parameters for sliding and full attention layers
-    num_experts_key: str | None = None  # MoE families with a load-balancing loss: the config field of the experts count
-    mlp_returns_tuple: bool = False  # GPT-OSS: the MLP returns (output, router scores)
-    # Granite's scalars, as config fields: the embedding is multiplied by one, each sublayer output by another before
-    # the residual add, and the logits are divided by a third
-    embedding_multiplier_key: str | None = None
-    residual_multiplier_key: str | None = None
-    logits_divisor_key: str | None = None
-    # Gemma2: sdpa cannot softcap the attention logits. Its own models declare so from transformers 5.21 on; on 5.20
-    # they ran sdpa without the softcapping, which a saved model must not do there either.
-    supports_sdpa: bool = True
-
-    @property
-    def module(self) -> ModuleType:
-        return importlib.import_module(f"transformers.models.{self.module_name}.modeling_{self.module_name}")
-
-    def cls(self, suffix: str) -> type:
-        return getattr(self.module, self.class_prefix + suffix)
-
-
-# Sandwich-norm layers: input and output norms around both sublayers (Gemma2, Gemma3)
-SANDWICH_NORMS = dict(
-    attention_output_norm="post_attention_layernorm",
-    mlp_input_norm="pre_feedforward_layernorm",
-    mlp_output_norm="post_feedforward_layernorm",
-)
-# Output norms only, no input norm (OLMo-2, OLMo-3, EXAONE-4)
-OUTPUT_NORMS_ONLY = dict(
-    attention_input_norm=None,
-    attention_output_norm="post_attention_layernorm",
-    mlp_input_norm=None,
-    mlp_output_norm="post_feedforward_layernorm",
-)
-
-FAMILIES = {
-    "llama": Family("llama", "Llama"),
-    "mistral": Family("mistral", "Mistral"),
-    "ministral": Family("ministral", "Ministral"),
-    "ministral3": Family("ministral3", "Ministral3"),
-    "qwen2": Family("qwen2", "Qwen2"),
-    "qwen3": Family("qwen3", "Qwen3"),
-    "qwen3_moe": Family("qwen3_moe", "Qwen3Moe", num_experts_key="num_experts"),
-    "mixtral": Family("mixtral", "Mixtral", num_experts_key="num_local_experts"),
-    "smollm3": Family("smollm3", "SmolLM3"),
-    "phi3": Family("phi3", "Phi3", output_dropouts=("resid_attn_dropout", "resid_mlp_dropout")),
-    "granite": Family(
-        "granite",
-        "Granite",
-        embedding_multiplier_key="embedding_multiplier",
-        residual_multiplier_key="residual_multiplier",
-        logits_divisor_key="logits_scaling",
-    ),
-    "glm4": Family(
-        "glm4", "Glm4", attention_output_norm="post_self_attn_layernorm", mlp_output_norm="post_mlp_layernorm"
-    ),
-    "olmo2": Family("olmo2", "Olmo2", **OUTPUT_NORMS_ONLY),
-    "olmo3": Family("olmo3", "Olmo3", **OUTPUT_NORMS_ONLY, rope_per_layer_type=True),
-    "exaone4": Family("exaone4", "Exaone4", **OUTPUT_NORMS_ONLY),
-    "gpt_oss": Family("gpt_oss", "GptOss", num_experts_key="num_local_experts", mlp_returns_tuple=True),  # eager: sinks
-    "deepseek_v3": Family("deepseek_v3", "DeepseekV3"),  # MLA, dense first layers then routed + shared experts
-    "gemma2": Family("gemma2", "Gemma2", **SANDWICH_NORMS, scaled_embedding=True, supports_sdpa=False),
-    "gemma3_text": Family("gemma3", "Gemma3", **SANDWICH_NORMS, scaled_embedding=True, rope_per_layer_type=True),
-}
 
 
 def family_of(config: AttnResConfig) -> Family:
     return FAMILIES[config.text_config.model_type]
+
+
+def family_module(family: Family) -> ModuleType:
+    """transformers' modeling module of the family, whose classes and functions AttnRes runs."""
+    return importlib.import_module(f"transformers.models.{family.module_name}.modeling_{family.module_name}")
+
+
+def family_class(family: Family, suffix: str) -> type:
+    """The family's class of that name, e.g. "DecoderLayer" -> Qwen3MoeDecoderLayer."""
+    return getattr(family_module(family), family.class_prefix + suffix)
 
 
 def attention_layer_types(text_config) -> list[str]:
@@ -370,7 +296,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.layer_idx = layer_idx
         self.family = family_of(config)
         # Adopt the source layer's children so parameter names stay the checkpoint's (self_attn.q_proj, mlp, norms).
-        source_layer = self.family.cls("DecoderLayer")(config.text_config, layer_idx)
+        source_layer = family_class(self.family, "DecoderLayer")(config.text_config, layer_idx)
         for name, child in source_layer.named_children():
             self.add_module(name, child)
         hidden_size = config.text_config.hidden_size
@@ -509,7 +435,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         # The source family's attention decides: Gemma2's softcapping and GPT-OSS's sinks have no sdpa path, so those
         # models fall back to eager (as their own models do) or refuse an explicit request.
         family = family_of(self.config)
-        family_model_cls = family.cls("PreTrainedModel")
+        family_model_cls = family_class(family, "PreTrainedModel")
         if not (family.supports_sdpa and family_model_cls._supports_sdpa):
             raise ValueError(
                 f"{family_model_cls.__name__} (the source family of this AttnRes model) does not support sdpa "
@@ -518,7 +444,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         return super()._sdpa_can_dispatch(is_init_check)
 
     def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
-        family_model_cls = family_of(self.config).cls("PreTrainedModel")
+        family_model_cls = family_class(family_of(self.config), "PreTrainedModel")
         if not family_model_cls._supports_flex_attn:
             raise ValueError(f"{family_model_cls.__name__} does not support flex attention; use 'eager'.")
         return super()._flex_attn_can_dispatch(is_init_check)
@@ -531,7 +457,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         else:
             # The source family's own rules (MoE experts, Gemma3's (1 + w) norms and per-type RoPE), applied by an
             # instance of its PreTrainedModel that carries nothing but the source config.
-            family_model_cls = family_of(self.config).cls("PreTrainedModel")
+            family_model_cls = family_class(family_of(self.config), "PreTrainedModel")
             family_initializer = family_model_cls.__new__(family_model_cls)
             family_initializer.__dict__["config"] = self.config.text_config
             family_model_cls._init_weights(family_initializer, module)
@@ -550,7 +476,7 @@ class AttnResModel(AttnResPreTrainedModel):
         text_config, family = config.text_config, family_of(config)
         hidden_size = text_config.hidden_size
         if family.scaled_embedding:
-            self.embed_tokens = family.cls("TextScaledWordEmbedding")(
+            self.embed_tokens = family_class(family, "TextScaledWordEmbedding")(
                 text_config.vocab_size, hidden_size, text_config.pad_token_id, embed_scale=hidden_size**0.5
             )
         else:
@@ -561,8 +487,8 @@ class AttnResModel(AttnResPreTrainedModel):
         # The final aggregation over all blocks, before the final norm (paper §3.2, A1)
         self.output_attn_res_proj = AttnResPseudoQuery(hidden_size)
         self.output_attn_res_norm = AttnResKeyNorm(hidden_size, config.attnres_eps)
-        self.norm = family.cls("RMSNorm")(hidden_size, eps=text_config.rms_norm_eps)
-        self.rotary_emb = family.cls("RotaryEmbedding")(config=text_config)
+        self.norm = family_class(family, "RMSNorm")(hidden_size, eps=text_config.rms_norm_eps)
+        self.rotary_emb = family_class(family, "RotaryEmbedding")(config=text_config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -702,7 +628,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
         if output_router_logits and family.num_experts_key is not None:
-            aux_loss = family.module.load_balancing_loss_func(
+            aux_loss = family_module(family).load_balancing_loss_func(
                 outputs.router_logits,
                 getattr(text_config, family.num_experts_key),
                 text_config.num_experts_per_tok,
@@ -723,4 +649,4 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["AttnResPreTrainedModel", "AttnResModel", "AttnResForCausalLM", "FAMILIES"]
+__all__ = ["AttnResPreTrainedModel", "AttnResModel", "AttnResForCausalLM"]

@@ -15,7 +15,7 @@ from transformers.masking_utils import eager_mask, sdpa_mask
 
 import attnres
 from attnres.configuration_attnres import SUPPORTED_FAMILIES
-from attnres.modeling_attnres import family_of
+from attnres.modeling_attnres import family_class, family_of
 
 
 class CountingAttention:
@@ -57,7 +57,7 @@ def test_every_layer_calls_the_registered_attention_with_the_call_kwargs(family)
     with torch.no_grad():
         expected = model(ids).logits
     base = model.config._attn_implementation
-    family_supports_sdpa = family_of(model.config).cls("PreTrainedModel")._supports_sdpa
+    family_supports_sdpa = family_class(family_of(model.config), "PreTrainedModel")._supports_sdpa
     assert base == ("sdpa" if family_supports_sdpa else "eager")
 
     counting_attention = COUNTING[base]

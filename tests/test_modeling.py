@@ -16,8 +16,7 @@ from tiny import random_ids as tiny_random_ids
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
 import attnres
-from attnres.configuration_attnres import SUPPORTED_FAMILIES
-from attnres.modeling_attnres import FAMILIES
+from attnres.configuration_attnres import FAMILIES, SUPPORTED_FAMILIES
 
 random_ids = partial(tiny_random_ids, length=24)  # this file's sequence length
 
