@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import transformers
 from packaging.version import Version
 
-# This file and modeling_attnres.py travel with saved models, to whatever transformers a Hub user has: stop at import,
-# naming the fix, where they cannot run: before 5.20 transformers has no `SubConfigSpec`, which this config is built on.
-# From it on, saved models generate the same tokens as on the newest (tests/test_remote_code_versions.py).
+# This file, modeling_attnres.py and depth_mixing.py travel with saved models, to whatever transformers a Hub user
+# has: stop at import, naming the fix, where they cannot run: before 5.20 transformers has no `SubConfigSpec`, which
+# this config is built on. From it on, saved models generate the same tokens as on the newest
+# (tests/test_remote_code_versions.py).
 OLDEST_TRANSFORMERS = "5.20.0"
 if Version(transformers.__version__) < Version(OLDEST_TRANSFORMERS):
     raise ImportError(

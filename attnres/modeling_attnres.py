@@ -6,16 +6,16 @@ each attention and each MLP sublayer reads a softmax mixture over depth of the e
     h = sum_i softmax_i(w . RMSNorm(v_i)) * v_i        (paper Eqs. 2-4; w: a learned, input-independent pseudo-query)
 
 Block AttnRes (paper §3.2) keeps as sources the token embedding b_0, one sum per completed block b_1..b_{n-1} and the
-partial sum of the current block; Full AttnRes keeps every sublayer output. Attention, MLP/MoE, norms, RoPE, masks
-and the KV cache are the source family's own modules, under the source checkpoint's parameter names.
+partial sum of the current block; Full AttnRes keeps every sublayer output. The mix itself is depth_mixing.py's; this
+file wires it into the decoder layers. Attention, MLP/MoE, norms, RoPE, masks and the KV cache are the source family's
+own modules, under the source checkpoint's parameter names, built as the family's row of `FAMILIES` says.
 
-This file is copied next to the weights as remote code: it imports only torch, transformers and its configuration.
+This file is copied next to the weights as remote code, with configuration_attnres.py and depth_mixing.py: it imports
+only torch, transformers and those two.
 """
 
-import contextlib
 import importlib
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -23,7 +23,6 @@ from types import ModuleType
 import torch
 import transformers
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
@@ -36,6 +35,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import FAMILIES, AttnResConfig, Family
+from .depth_mixing import AttnResKeyNorm, AttnResPseudoQuery, DepthState, depth_attention, score_completed_blocks
 
 # Saved next to the weights, this file runs on every transformers from OLDEST_TRANSFORMERS on. 5.24 renamed the KV
 # cache from `past_key_values` to `cache` (the argument of models, layers and mask builders, and the output field):
@@ -81,199 +81,14 @@ def attention_layer_types(text_config) -> list[str]:
     return [kind] * text_config.num_hidden_layers
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Depth attention: the math. Shapes: B batch, T tokens, n completed sources, q queries, S sources of one sublayer,
-# d hidden size. Plain tensor ops: PyTorch differentiates and compiles them.
-# --------------------------------------------------------------------------------------------------------------------
-
-Sources = torch.Tensor | tuple[torch.Tensor, ...]  # completed sources: stacked [B,T,n,d], or n x [B,T,d] as kept
-
-
-class AttnResPseudoQuery(nn.Module):
-    """The pseudo-query w of one sublayer (paper Eq. 3), zero at init (uniform depth weights).
-
-    Calling the module returns w [d], so that hooks which place or gather parameters on a module call (Accelerate
-    offload, FSDP2, DeepSpeed ZeRO-3) see it read. Not an `nn.Linear`: the score is not w applied to one input, and
-    adapters for linear layers (PEFT's "all-linear") must not wrap it.
-    """
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1, hidden_size))
-
-    def forward(self) -> torch.Tensor:
-        return self.weight[0]
-
-
-class AttnResKeyNorm(nn.Module):
-    """The RMSNorm of the depth keys: its gain g [d] and eps. The values stay raw (paper Eq. 2, A4).
-
-    Calling the module returns g (see `AttnResPseudoQuery`): the direct computation scales the normalised keys by it,
-    the two-phase one folds it into the query.
-    """
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self) -> torch.Tensor:
-        return self.weight
-
-
-def fp32_region(like: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Depth logits and softmax run in fp32 and values in their own dtype, whatever the surrounding autocast.
-
-    Without autocast there is nothing to switch off, and entering the context would cost a decode step more than one of
-    its ops."""
-    if torch.is_autocast_enabled(like.device.type):
-        return torch.autocast(like.device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def upcast(values: torch.Tensor) -> torch.Tensor:
-    """fp32, or the values' own dtype where it is wider (float64 models stay float64 throughout)."""
-    wide = torch.promote_types(values.dtype, torch.float32)
-    return values if values.dtype == wide else values.to(wide)
-
-
-def inverse_rms(values: torch.Tensor, eps: float) -> torch.Tensor:
-    """[..., d] -> [...] fp32 (or wider), from one norm reduction that reads the values in their own dtype."""
-    norm = torch.linalg.vector_norm(values, dim=-1, dtype=torch.promote_types(values.dtype, torch.float32))
-    return torch.rsqrt(norm.square() / values.shape[-1] + eps)
-
-
-def depth_mix_reference(
-    sources: torch.Tensor, pseudo_query: torch.Tensor, key_gain: torch.Tensor, eps: float, scale_by_num_sources: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The direct computation (paper Fig. 2): sources [B,T,S,d] -> mixed input [B,T,d], depth weights [B,T,S]."""
-    with fp32_region(sources):
-        keys = upcast(sources) * inverse_rms(sources, eps).unsqueeze(-1) * upcast(key_gain)  # [B,T,S,d]
-        weights = (keys @ upcast(pseudo_query)).softmax(-1)  # [B,T,S]; no 1/sqrt(d)
-        mixed = (weights.unsqueeze(-1) * upcast(sources)).sum(-2)  # [B,T,d]
-        if scale_by_num_sources:
-            mixed = mixed * sources.shape[-2]
-    return mixed.to(sources.dtype), weights
-
-
-def close_source(
-    completed: tuple[torch.Tensor, ...], inv_rms: torch.Tensor, source: torch.Tensor, eps: float
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Add a finished source [B,T,d] to the completed ones (kept as they are: every later layer reads the same tensor)
-    and its inverse RMS to theirs [B,T,n], computed once, when it closes."""
-    return completed + (source,), torch.cat([inv_rms, inverse_rms(source, eps).unsqueeze(-1)], dim=-1)
-
-
-def folded_queries(*depth_heads: tuple[AttnResPseudoQuery, AttnResKeyNorm], device: torch.device) -> torch.Tensor:
-    """w . (g * v / rms(v)) = (w * g) . v / rms(v): each key-norm gain folds into its query. -> [q,d] fp32 on `device`
-
-    `device`: the sources'. A device map may place a head's modules elsewhere (the output mix's, which no layer holds),
-    and Accelerate moves the arguments of a module call, not its output."""
-    return torch.stack(
-        [upcast(pseudo_query().to(device)) * upcast(key_norm().to(device)) for pseudo_query, key_norm in depth_heads]
+def depth_mix_flags(config: AttnResConfig) -> dict[str, bool]:
+    """The settings of `depth_attention`, read from the config at every forward: setting them on a loaded model's
+    config takes effect, as `use_cache` does."""
+    return dict(
+        two_phase=config.attnres_implementation == "two_phase",
+        scale_by_num_sources=config.attnres_scale_by_num_sources,
+        recompute=config.attnres_recompute,
     )
-
-
-def score_completed(sources: Sources, inv_rms: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Phase 1: logits of the folded queries [q,d] against the completed sources, each read once. -> [B,T,n,q]"""
-    if isinstance(sources, torch.Tensor):  # stacked [B,T,n,d]
-        logits = upcast(sources) @ queries.T
-    else:
-        logits = torch.stack([upcast(source) @ queries.T for source in sources], dim=-2)
-    return logits * inv_rms.unsqueeze(-1)
-
-
-def read_completed(weights: torch.Tensor, sources: Sources) -> torch.Tensor:
-    """The completed sources weighted by `weights` [B,T,n] and summed. -> [B,T,d] in the sources' dtype"""
-    if isinstance(sources, torch.Tensor):  # stacked [B,T,n,d]
-        return (weights[..., None, :].to(sources.dtype) @ sources).squeeze(-2)
-    mixed = sum(weights[..., i, None] * upcast(source) for i, source in enumerate(sources))
-    return mixed.to(sources[0].dtype)
-
-
-def merge_partial_sum(
-    block_logits: torch.Tensor,
-    sources: Sources,
-    partial_sum: torch.Tensor | None,
-    query: torch.Tensor,
-    eps: float,
-    scale_by_num_sources: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 2: the partial sum [B,T,d] joins the softmax over the completed sources' logits [B,T,n].
-
-    One softmax over n + 1 logits equals the paper's online-softmax merge of the two groups; the mixture is then one
-    weighted read of the completed sources plus the partial sum. -> mixed input [B,T,d], depth weights [B,T,S]
-    """
-    logits = block_logits
-    if partial_sum is not None:
-        partial_logit = (upcast(partial_sum) @ query) * inverse_rms(partial_sum, eps)  # [B,T]
-        logits = torch.cat([block_logits, partial_logit.unsqueeze(-1)], dim=-1)
-    weights = logits.softmax(-1)  # [B,T,S]
-    # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
-    value_weights = weights * weights.shape[-1] if scale_by_num_sources else weights
-    num_completed = block_logits.shape[-1]
-    mixed = read_completed(value_weights[..., :num_completed], sources)  # [B,T,d]
-    if partial_sum is not None:
-        partial_weight = value_weights[..., num_completed:].to(partial_sum.dtype)  # [B,T,1]
-        mixed = torch.addcmul(mixed, partial_weight, partial_sum)
-    return mixed, weights
-
-
-def recomputed(function: Callable[..., tuple], *inputs: torch.Tensor | None) -> tuple:
-    """`function(*inputs)`, whose intermediates autograd does not keep but recomputes in the backward pass.
-
-    The depth mix is cheap to run and costly to keep: its stacked sources [B,T,n,d] (in fp32 for the logits), kept for
-    every sublayer, would outweigh the layer itself. A non-reentrant checkpoint keeps only the inputs, which are the
-    depth state the layers share anyway; it nests under gradient checkpointing and compiles as one region.
-    """
-    if torch.is_grad_enabled():
-        return checkpoint(function, *inputs, use_reentrant=False)
-    return function(*inputs)
-
-
-def depth_attention(
-    config: AttnResConfig,
-    completed: tuple[torch.Tensor, ...],
-    inv_rms: torch.Tensor,
-    partial_sum: torch.Tensor | None,
-    depth_heads: tuple[tuple[AttnResPseudoQuery, AttnResKeyNorm], ...],
-    input_norm: Callable[[torch.Tensor], torch.Tensor],
-    block_logits: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The (normalised) input of one sublayer: its sources are the completed ones [n x [B,T,d]], then the partial sum.
-
-    `depth_heads`: this sublayer's (pseudo-query, key norm), then those of later sublayers that read the same completed
-    sources (the layer's MLP), scored in the same product. `block_logits` [B,T,n]: this sublayer's completed-source
-    logits when an earlier call scored them. `input_norm` runs inside the recomputed region when
-    `config.attnres_recompute` (the mix output is then not kept either), after it otherwise.
-    -> sublayer input [B,T,d], depth weights [B,T,S] fp32, completed-source logits of the later heads [B,T,n,q-1]
-    """
-    pseudo_query, key_norm = depth_heads[0]
-    eps, scale = key_norm.eps, config.attnres_scale_by_num_sources
-    if config.attnres_implementation == "naive":
-        sources = torch.stack(completed + (() if partial_sum is None else (partial_sum,)), dim=-2)
-        query, key_gain = pseudo_query().to(sources.device), key_norm().to(sources.device)  # see folded_queries
-        mixed, weights = depth_mix_reference(sources, query, key_gain, eps, scale)
-        return input_norm(mixed), weights, None
-    # the parameters are read here, in the module calls, for hooks to see
-    queries = folded_queries(*depth_heads, device=inv_rms.device)
-    norm_inside = config.attnres_recompute
-
-    def mix(queries, block_logits, partial_sum, inv_rms, *completed):
-        with fp32_region(inv_rms):
-            # Eager, one stack [B,T,n,d] and two products: few operations, which is what a decode step pays for.
-            # Compiled, one product and one weighted sum per source, which the compiler fuses into kernels that read
-            # each source in place, where a stack would copy them all for every sublayer (and run slower than eager).
-            sources = completed if torch.compiler.is_compiling() else torch.stack(completed, dim=-2)
-            later_logits = None
-            if block_logits is None:
-                all_logits = score_completed(sources, inv_rms, queries)  # [B,T,n,q]
-                block_logits, later_logits = all_logits[..., 0], all_logits[..., 1:]
-            mixed, weights = merge_partial_sum(block_logits, sources, partial_sum, queries[0], eps, scale)
-        return (input_norm(mixed) if norm_inside else mixed), weights, later_logits
-
-    sublayer_input, weights, later_logits = recomputed(mix, queries, block_logits, partial_sum, inv_rms, *completed)
-    return (sublayer_input if norm_inside else input_norm(sublayer_input)), weights, later_logits
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -284,10 +99,10 @@ def depth_attention(
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """One decoder layer of the source family (its own attention, MLP and norms), fed by depth attention.
 
-    The depth state between layers, all tensors in the call arguments: `partial_sum` [B,T,d], the running sum of the
-    current block (before layer 0: the embedding, which layer 0 moves into the completed sources); `completed_inv_rms`
-    [B,T,n] and `*completed_sources` [B,T,d] each, the finished sources (b_0 = embedding, then one sum per finished
-    block; in Full mode every sublayer output), each kept once and read by every later layer.
+    The depth state between layers travels as the call's positional tensors (see `DepthState`): `partial_sum` [B,T,d],
+    the running sum of the current block (before layer 0: the embedding, which layer 0 closes as b_0);
+    `completed_inv_rms` [B,T,n] and `*completed_blocks` [B,T,d] each, the completed blocks (in Full mode every
+    sublayer output), each kept once and read by every later layer.
     """
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
@@ -330,52 +145,53 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self,
         partial_sum: torch.Tensor,
         completed_inv_rms: torch.Tensor,
-        *completed_sources: torch.Tensor,
+        *completed_blocks: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, ...]:
-        """-> (partial_sum, attention depth weights, MLP depth weights, completed_inv_rms, *completed_sources)
+        """-> (partial_sum, attention depth weights, MLP depth weights, completed_inv_rms, *completed_blocks)
 
         The KV cache is in `kwargs` under `CACHE_NAME`, passed on to the attention as the installed version names it.
         """
-        config, family, eps = self.config, self.family, self.config.attnres_eps
-        completed, inv_rms = completed_sources, completed_inv_rms
+        family, flags = self.family, depth_mix_flags(self.config)
+        depth = DepthState(completed_blocks, completed_inv_rms, partial_sum)
         if self.attention_starts_block:
-            completed, inv_rms = close_source(completed, inv_rms, partial_sum, eps)
-            partial_sum = None
+            depth = depth.close_block(self.config.attnres_eps)
         attention_head = (self.self_attention_res_proj, self.self_attention_res_norm)
         mlp_head = (self.mlp_res_proj, self.mlp_res_norm)
 
-        # Attention sublayer; both sublayers read the same completed sources, scored for both in one product
-        attention_input, attention_depth_weights, mlp_block_logits = depth_attention(
-            config, completed, inv_rms, partial_sum, (attention_head, mlp_head),
-            partial(self._norm, family.attention_input_norm),
-        )  # fmt: skip
+        # Phase 1, once for both sublayers: the MLP's mix reads the same completed blocks as the attention's (a block
+        # the MLP closes closes after its mix)
+        if flags["two_phase"]:
+            attention_logits, mlp_logits = score_completed_blocks(depth, attention_head, mlp_head)
+        else:  # the reference scores each sublayer's sources itself
+            attention_logits = mlp_logits = None
+
+        attention_input, attention_depth_weights = depth_attention(
+            depth, attention_head, partial(self._norm, family.attention_input_norm), attention_logits, **flags
+        )
         attention_output, _ = self.self_attn(
             hidden_states=attention_input,
             attention_mask=attention_mask,
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        attention_output = self._sublayer_output(0, attention_output)
-        partial_sum = attention_output if partial_sum is None else partial_sum + attention_output
+        depth = depth.add(self._sublayer_output(0, attention_output))
 
-        # MLP sublayer: in Full mode it still reads the attention output as its partial sum, which closes after it
-        mlp_input, mlp_depth_weights, _ = depth_attention(
-            config, completed, inv_rms, partial_sum, (mlp_head,), partial(self._norm, family.mlp_input_norm),
-            None if mlp_block_logits is None else mlp_block_logits[..., 0],
-        )  # fmt: skip
+        # In Full mode the MLP still reads the attention output as its partial sum, which closes after it
+        mlp_input, mlp_depth_weights = depth_attention(
+            depth, mlp_head, partial(self._norm, family.mlp_input_norm), mlp_logits, **flags
+        )
         if self.mlp_starts_block:
-            completed, inv_rms = close_source(completed, inv_rms, partial_sum, eps)
-            partial_sum = None
+            depth = depth.close_block(self.config.attnres_eps)
         mlp_output = self.mlp(mlp_input)
         if family.mlp_returns_tuple:
             mlp_output = mlp_output[0]
-        mlp_output = self._sublayer_output(1, mlp_output)
-        partial_sum = mlp_output if partial_sum is None else partial_sum + mlp_output
+        depth = depth.add(self._sublayer_output(1, mlp_output))
 
-        return partial_sum, attention_depth_weights, mlp_depth_weights, inv_rms, *completed
+        completed_blocks, completed_inv_rms, partial_sum = depth
+        return partial_sum, attention_depth_weights, mlp_depth_weights, completed_inv_rms, *completed_blocks
 
 
 @dataclass
@@ -549,13 +365,13 @@ class AttnResModel(AttnResPreTrainedModel):
 
         partial_sum = inputs_embeds  # layer 0 starts the first block: the embedding becomes b_0
         completed_inv_rms = inputs_embeds.new_empty(*inputs_embeds.shape[:-1], 0, dtype=torch.float32)  # [B,T,0]
-        completed_sources = ()
+        completed_blocks = ()
         depth_weights = []
         for decoder_layer, layer_type in zip(self.layers, layer_types, strict=True):
-            partial_sum, attention_weights, mlp_weights, completed_inv_rms, *completed_sources = decoder_layer(
+            partial_sum, attention_weights, mlp_weights, completed_inv_rms, *completed_blocks = decoder_layer(
                 partial_sum,
                 completed_inv_rms,
-                *completed_sources,
+                *completed_blocks,
                 attention_mask=attention_masks[layer_type],
                 position_embeddings=position_embeddings[layer_type],
                 position_ids=position_ids,
@@ -564,9 +380,10 @@ class AttnResModel(AttnResPreTrainedModel):
             )
             depth_weights += [attention_weights, mlp_weights]
 
+        depth = DepthState(tuple(completed_blocks), completed_inv_rms, partial_sum)
         output_head = (self.output_attn_res_proj, self.output_attn_res_norm)
-        hidden_states, output_depth_weight, _ = depth_attention(
-            self.config, tuple(completed_sources), completed_inv_rms, partial_sum, (output_head,), self.norm
+        hidden_states, output_depth_weight = depth_attention(
+            depth, output_head, self.norm, None, **depth_mix_flags(self.config)
         )
         return AttnResModelOutputWithPast(
             last_hidden_state=hidden_states,

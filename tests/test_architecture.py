@@ -1,6 +1,6 @@
 """The house keeps the plan of docs/architecture.md: imports point down its table of rooms and never in a circle, every
-module has its row, the model files import only what travels with them, the light rooms only the standard library,
-and the tiny models of the tests cover the families of the one family table."""
+module has its row, the model files import only what travels with them (the depth-mix room only torch), the light
+rooms only the standard library, and the tiny models of the tests cover the families of the one family table."""
 
 import ast
 import re
@@ -13,7 +13,7 @@ from attnres.configuration_attnres import SUPPORTED_FAMILIES
 
 ROOT = Path(__file__).parents[1]
 PACKAGE = ROOT / "attnres"
-REMOTE_CODE = {"attnres.configuration_attnres", "attnres.modeling_attnres"}
+REMOTE_CODE = {"attnres.configuration_attnres", "attnres.depth_mixing", "attnres.modeling_attnres"}
 REMOTE_CODE_DEPENDENCIES = {"torch", "transformers", "packaging"}
 LIGHT = {"attnres.options", "attnres.folders"}
 
@@ -103,6 +103,12 @@ def test_the_model_files_import_only_what_travels_with_them():
     for module in REMOTE_CODE:
         outside = imported(module) - REMOTE_CODE - REMOTE_CODE_DEPENDENCIES - sys.stdlib_module_names
         assert not outside, (module, outside)
+
+
+def test_the_depth_mix_room_imports_only_torch():
+    """Tensor math on the depth state: no transformers, no config (its settings arrive as arguments)."""
+    outside = imported("attnres.depth_mixing") - {"torch"} - sys.stdlib_module_names
+    assert not outside, outside
 
 
 def test_the_light_rooms_import_only_the_standard_library():

@@ -9,8 +9,9 @@ from accelerate import dispatch_model
 from tiny import attnres_twin, random_ids, tiny_source_model
 from transformers import AutoModelForCausalLM
 
-from attnres import modeling_attnres
-from attnres.modeling_attnres import AttnResKeyNorm, AttnResPseudoQuery, depth_attention
+from attnres import depth_mixing
+from attnres.depth_mixing import AttnResKeyNorm, AttnResPseudoQuery, DepthState, depth_attention
+from attnres.modeling_attnres import depth_mix_flags
 
 MODES = ["block", "full"]
 
@@ -119,8 +120,9 @@ def test_depth_logits_and_softmax_stay_fp32_under_autocast(implementation):
         key_norm.weight.uniform_(0.5, 1.5, generator=generator)
 
     def depth_weights():
-        heads = ((pseudo_query, key_norm),)
-        return depth_attention(model.config, completed, inv_rms, partial_sum, heads, lambda mixed: mixed)[1]
+        depth = DepthState(completed, inv_rms, partial_sum)
+        flags = depth_mix_flags(model.config)
+        return depth_attention(depth, (pseudo_query, key_norm), lambda mixed: mixed, None, **flags)[1]
 
     plain = depth_weights()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -190,7 +192,7 @@ def test_each_module_reads_only_its_arguments_and_parameters(
     and key norms included). A module that read another's parameter, or a tensor that reached it other than as an
     argument, fails here; so does the output mix unless it brings its pseudo-query (on disk) and key norm to the last
     layer's sources."""
-    monkeypatch.setattr(modeling_attnres, "fp32_region", lambda like: contextlib.nullcontext())  # autocast: no lazy
+    monkeypatch.setattr(depth_mixing, "fp32_region", lambda like: contextlib.nullcontext())  # autocast: no lazy
     model, ids = small_model("block", num_layers=4), random_ids()
     model.config.attnres_implementation = implementation
     with torch.no_grad():

@@ -100,8 +100,9 @@ def test_cli_conversion_passes_verification(converted, name):
     assert result.exit_code == 0, result.output
     assert "verification passed" in result.output
     files = {path.name for path in result.output_dir.iterdir()}
-    expected = {"config.json", "configuration_attnres.py", "modeling_attnres.py", "generation_config.json"}
-    expected |= {"tokenizer.json", "tokenizer_config.json", "README.md", "model.safetensors.index.json"}
+    model_code = {"configuration_attnres.py", "modeling_attnres.py", "depth_mixing.py"}
+    expected = model_code | {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+    expected |= {"README.md", "model.safetensors.index.json"}
     assert expected <= files
     assert len([file for file in files if file.endswith(".safetensors")]) > 1  # sharded at --max-shard-size
     config = json.loads((result.output_dir / "config.json").read_text())

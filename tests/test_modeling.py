@@ -17,6 +17,15 @@ from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
 import attnres
 from attnres.configuration_attnres import FAMILIES, SUPPORTED_FAMILIES
+from attnres.depth_mixing import (
+    AttnResKeyNorm,
+    AttnResPseudoQuery,
+    DepthState,
+    depth_mix_reference,
+    depth_mix_two_phase,
+    inverse_rms,
+    score_completed_blocks,
+)
 
 random_ids = partial(tiny_random_ids, length=24)  # this file's sequence length
 
@@ -79,6 +88,31 @@ def test_two_phase_equals_direct_forward_and_gradients(family, mode, block_size,
     assert naive_grads.keys() == fast_grads.keys()
     for name in naive_grads:
         assert (naive_grads[name] - fast_grads[name]).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.parametrize("scale_by_num_sources", [False, True])
+@pytest.mark.parametrize("with_partial_sum", [True, False], ids=["partial-sum", "block-just-closed"])
+def test_two_phase_mix_equals_the_reference_called_alike(with_partial_sum, scale_by_num_sources):
+    """The depth-mix room's pair, called with the same arguments (float64: the same function), and with phase 1 run
+    once for two queries as a decoder layer runs it."""
+    generator = torch.Generator().manual_seed(0)
+    blocks = tuple(torch.randn(2, 5, 64, generator=generator, dtype=torch.float64) * 3 for _ in range(3))
+    inv_rms = torch.stack([inverse_rms(block, 1e-6) for block in blocks], dim=-1)
+    partial_sum = torch.randn(2, 5, 64, generator=generator, dtype=torch.float64) if with_partial_sum else None
+    depth = DepthState(blocks, inv_rms, partial_sum)
+    heads = [(AttnResPseudoQuery(64).double(), AttnResKeyNorm(64, 1e-6).double()) for _ in range(2)]
+    with torch.no_grad():
+        for pseudo_query, key_norm in heads:
+            pseudo_query.weight.normal_(generator=generator)
+            key_norm.weight.uniform_(0.5, 1.5, generator=generator)
+        layer_logits = score_completed_blocks(depth, *heads)
+        for (pseudo_query, key_norm), block_logits in zip(heads, layer_logits, strict=True):
+            arguments = (depth, pseudo_query(), key_norm(), key_norm.eps, scale_by_num_sources)
+            expected_input, expected_weights = depth_mix_reference(*arguments)
+            for given_logits in (None, block_logits):
+                mixed, weights = depth_mix_two_phase(*arguments, given_logits)
+                torch.testing.assert_close(mixed, expected_input, rtol=0, atol=1e-12)
+                torch.testing.assert_close(weights, expected_weights, rtol=0, atol=1e-12)
 
 
 def depth_and_logit_gradients(model, ids, implementation: str) -> dict[str, torch.Tensor]:
@@ -329,7 +363,7 @@ def test_save_and_load_as_remote_code_in_clean_process(family, tmp_path):
         "AutoModel": "modeling_attnres.AttnResModel",
         "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
     }
-    assert {"configuration_attnres.py", "modeling_attnres.py"} <= set(os.listdir(tmp_path / "saved"))
+    assert {"configuration_attnres.py", "modeling_attnres.py", "depth_mixing.py"} <= set(os.listdir(tmp_path / "saved"))
     ids = random_ids()
     with torch.no_grad():
         expected_logits = model(ids).logits

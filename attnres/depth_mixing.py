@@ -1,0 +1,266 @@
+"""The depth mix of Attention Residuals (Kimi Team, arXiv 2603.15031): how each sublayer's input is formed from the
+earlier representations, and the depth state the decoder layers hand on to each other.
+
+    h = sum_i softmax_i(w . RMSNorm(v_i)) * v_i        (paper Eqs. 2-4; w: a learned, input-independent pseudo-query)
+
+The sources v_i of a sublayer are the completed blocks (b_0 = the token embedding, then one sum per finished block; in
+Full mode every sublayer output is a block of its own) and the partial sum of the current block. As fla ships a naive
+reference beside each fused kernel, this file holds two functions with the same signature: `depth_mix_reference`, the
+direct computation, and `depth_mix_two_phase` (paper Algorithm 1), which the model runs. Phase 1 scores queries
+against the completed blocks, whose inverse RMS the depth state keeps from when each closed; a decoder layer runs it
+once for both of its sublayers (`score_completed_blocks`). Phase 2 lets the partial sum join the softmax and reads the
+mixture.
+
+Shapes: B batch, T tokens, n completed blocks, q queries, S sources of one sublayer (n, or n + 1 with the partial
+sum), d hidden size. Plain tensor ops: PyTorch differentiates and compiles them. This file is copied next to the
+weights as remote code, with modeling_attnres.py: it imports only torch and the standard library.
+"""
+
+import contextlib
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class AttnResPseudoQuery(nn.Module):
+    """The pseudo-query w of one sublayer (paper Eq. 3), zero at init (uniform depth weights).
+
+    Calling the module returns w [d], so that hooks which place or gather parameters on a module call (Accelerate
+    offload, FSDP2, DeepSpeed ZeRO-3) see it read. Not an `nn.Linear`: the score is not w applied to one input, and
+    adapters for linear layers (PEFT's "all-linear") must not wrap it.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight[0]
+
+
+class AttnResKeyNorm(nn.Module):
+    """The RMSNorm of the depth keys: its gain g [d] and eps. The values stay raw (paper Eq. 2, A4).
+
+    Calling the module returns g (see `AttnResPseudoQuery`): the direct computation scales the normalised keys by it,
+    the two-phase one folds it into the query.
+    """
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+DepthHead = tuple[AttnResPseudoQuery, AttnResKeyNorm]  # what one sublayer's depth mix learns
+
+
+def fp32_region(like: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Depth logits and softmax run in fp32 and values in their own dtype, whatever the surrounding autocast.
+
+    Without autocast there is nothing to switch off, and entering the context would cost a decode step more than one of
+    its ops."""
+    if torch.is_autocast_enabled(like.device.type):
+        return torch.autocast(like.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def upcast(values: torch.Tensor) -> torch.Tensor:
+    """fp32, or the values' own dtype where it is wider (float64 models stay float64 throughout)."""
+    wide = torch.promote_types(values.dtype, torch.float32)
+    return values if values.dtype == wide else values.to(wide)
+
+
+def inverse_rms(values: torch.Tensor, eps: float) -> torch.Tensor:
+    """[..., d] -> [...] fp32 (or wider), from one norm reduction that reads the values in their own dtype."""
+    norm = torch.linalg.vector_norm(values, dim=-1, dtype=torch.promote_types(values.dtype, torch.float32))
+    return torch.rsqrt(norm.square() / values.shape[-1] + eps)
+
+
+class DepthState(NamedTuple):
+    """What the depth mixes read and the sublayers write, handed from layer to layer.
+
+    Each completed block is kept once, as it closed, and read by every later sublayer; its inverse RMS is computed then
+    too. The decoder layers pass these tensors as positional arguments, which reentrant checkpointing tracks.
+    """
+
+    completed_blocks: tuple[torch.Tensor, ...]  # n x [B,T,d]
+    completed_inv_rms: torch.Tensor  # [B,T,n] fp32 (or wider)
+    partial_sum: torch.Tensor | None  # [B,T,d]; None from the closing of a block to the next sublayer output
+
+    def close_block(self, eps: float) -> "DepthState":
+        """The partial sum becomes a completed block; the next sublayer output starts a new one."""
+        inv_rms = torch.cat([self.completed_inv_rms, inverse_rms(self.partial_sum, eps).unsqueeze(-1)], dim=-1)
+        return DepthState(self.completed_blocks + (self.partial_sum,), inv_rms, None)
+
+    def add(self, sublayer_output: torch.Tensor) -> "DepthState":
+        """The partial sum with a sublayer's output [B,T,d] added (the residual add of the source model)."""
+        partial_sum = sublayer_output if self.partial_sum is None else self.partial_sum + sublayer_output
+        return DepthState(self.completed_blocks, self.completed_inv_rms, partial_sum)
+
+
+def depth_mix_reference(
+    depth: DepthState, pseudo_query: torch.Tensor, key_gain: torch.Tensor, eps: float, scale_by_num_sources: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The direct computation (paper Fig. 2), the reference for `depth_mix_two_phase`: stack the sources, normalise
+    them as keys, score, softmax, weighted sum. -> mixed input [B,T,d], depth weights [B,T,S]"""
+    partial = () if depth.partial_sum is None else (depth.partial_sum,)
+    sources = torch.stack(depth.completed_blocks + partial, dim=-2)  # [B,T,S,d]
+    with fp32_region(sources):
+        keys = upcast(sources) * inverse_rms(sources, eps).unsqueeze(-1) * upcast(key_gain)  # [B,T,S,d]
+        weights = (keys @ upcast(pseudo_query)).softmax(-1)  # [B,T,S]; no 1/sqrt(d)
+        mixed = (weights.unsqueeze(-1) * upcast(sources)).sum(-2)  # [B,T,d]
+        if scale_by_num_sources:
+            mixed = mixed * sources.shape[-2]
+    return mixed.to(sources.dtype), weights
+
+
+Blocks = torch.Tensor | tuple[torch.Tensor, ...]  # the completed blocks: stacked [B,T,n,d], or n x [B,T,d] as kept
+
+
+def stacked_unless_compiled(completed_blocks: tuple[torch.Tensor, ...]) -> Blocks:
+    """The completed blocks as the products of both phases read them best.
+
+    Eager, one stack [B,T,n,d] and one product per phase: few operations, which is what a decode step pays for.
+    Compiled, one product and one weighted sum per block, which the compiler fuses into kernels that read each block
+    in place, where a stack would copy them all for every sublayer (and run slower than eager)."""
+    return completed_blocks if torch.compiler.is_compiling() else torch.stack(completed_blocks, dim=-2)
+
+
+def folded_query(pseudo_query: torch.Tensor, key_gain: torch.Tensor) -> torch.Tensor:
+    """w . (g * v / rms(v)) = (w * g) . v / rms(v): the key-norm gain folds into the query. -> [d] fp32"""
+    return upcast(pseudo_query) * upcast(key_gain)
+
+
+def completed_logits(blocks: Blocks, completed_inv_rms: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Phase 1: logits of the folded queries [q,d] against the completed blocks, each read once. -> [B,T,n,q]"""
+    if isinstance(blocks, torch.Tensor):  # stacked [B,T,n,d]
+        logits = upcast(blocks) @ queries.T
+    else:
+        logits = torch.stack([upcast(block) @ queries.T for block in blocks], dim=-2)
+    return logits * completed_inv_rms.unsqueeze(-1)
+
+
+def read_completed(weights: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """The completed blocks weighted by `weights` [B,T,n] and summed. -> [B,T,d] in the blocks' dtype"""
+    if isinstance(blocks, torch.Tensor):  # stacked [B,T,n,d]
+        return (weights[..., None, :].to(blocks.dtype) @ blocks).squeeze(-2)
+    mixed = sum(weights[..., i, None] * upcast(block) for i, block in enumerate(blocks))
+    return mixed.to(blocks[0].dtype)
+
+
+def merge_partial_sum(
+    block_logits: torch.Tensor,
+    blocks: Blocks,
+    partial_sum: torch.Tensor | None,
+    query: torch.Tensor,
+    eps: float,
+    scale_by_num_sources: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 2: the partial sum [B,T,d] joins the softmax over the completed blocks' logits [B,T,n].
+
+    One softmax over n + 1 logits equals the paper's online-softmax merge of the two groups; the mixture is then one
+    weighted read of the completed blocks plus the partial sum. -> mixed input [B,T,d], depth weights [B,T,S]
+    """
+    logits = block_logits
+    if partial_sum is not None:
+        partial_logit = (upcast(partial_sum) @ query) * inverse_rms(partial_sum, eps)  # [B,T]
+        logits = torch.cat([block_logits, partial_logit.unsqueeze(-1)], dim=-1)
+    weights = logits.softmax(-1)  # [B,T,S]
+    # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
+    value_weights = weights * weights.shape[-1] if scale_by_num_sources else weights
+    num_completed = block_logits.shape[-1]
+    mixed = read_completed(value_weights[..., :num_completed], blocks)  # [B,T,d]
+    if partial_sum is not None:
+        partial_weight = value_weights[..., num_completed:].to(partial_sum.dtype)  # [B,T,1]
+        mixed = torch.addcmul(mixed, partial_weight, partial_sum)
+    return mixed, weights
+
+
+def depth_mix_two_phase(
+    depth: DepthState,
+    pseudo_query: torch.Tensor,
+    key_gain: torch.Tensor,
+    eps: float,
+    scale_by_num_sources: bool,
+    block_logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`depth_mix_reference` in two phases (paper Algorithm 1), with the completed blocks' inverse RMS that the depth
+    state keeps. `block_logits` [B,T,n]: this query's phase 1, where `score_completed_blocks` ran it for the whole
+    layer; without it, phase 1 runs here. -> mixed input [B,T,d], depth weights [B,T,S]"""
+    query = folded_query(pseudo_query, key_gain)  # [d]
+    with fp32_region(depth.completed_inv_rms):
+        blocks = stacked_unless_compiled(depth.completed_blocks)
+        if block_logits is None:
+            block_logits = completed_logits(blocks, depth.completed_inv_rms, query[None])[..., 0]
+        return merge_partial_sum(block_logits, blocks, depth.partial_sum, query, eps, scale_by_num_sources)
+
+
+def recomputed(function: Callable[..., tuple | torch.Tensor], *inputs: torch.Tensor | None) -> tuple | torch.Tensor:
+    """`function(*inputs)`, whose intermediates autograd does not keep but recomputes in the backward pass.
+
+    The depth mix is cheap to run and costly to keep: its stacked blocks [B,T,n,d] (in fp32 for the logits), kept for
+    every sublayer, would outweigh the layer itself. A non-reentrant checkpoint keeps only the inputs, which are the
+    depth state the layers share anyway; it nests under gradient checkpointing and compiles as one region.
+    """
+    if torch.is_grad_enabled():
+        return checkpoint(function, *inputs, use_reentrant=False)
+    return function(*inputs)
+
+
+def score_completed_blocks(depth: DepthState, *depth_heads: DepthHead) -> tuple[torch.Tensor, ...]:
+    """Phase 1 for several sublayers that read the same completed blocks (a decoder layer's attention and MLP): their
+    folded queries scored in one product. -> one [B,T,n] per head"""
+    device = depth.completed_inv_rms.device
+    # The parameters are read here, in the module calls, for hooks to see; brought to the blocks' device because a
+    # device map may place a head's modules elsewhere, and Accelerate moves the arguments of a module call, not its
+    # output.
+    queries = torch.stack(
+        [folded_query(pseudo_query().to(device), key_norm().to(device)) for pseudo_query, key_norm in depth_heads]
+    )  # [q,d]
+
+    def score(queries, completed_inv_rms, *completed_blocks):
+        with fp32_region(completed_inv_rms):
+            return completed_logits(stacked_unless_compiled(completed_blocks), completed_inv_rms, queries)
+
+    logits = recomputed(score, queries, depth.completed_inv_rms, *depth.completed_blocks)  # [B,T,n,q]
+    # Selected, not unbound: torch's lazy tensors (a second device in the device-map tests) cannot cat unbind's views
+    return tuple(logits[..., head] for head in range(len(depth_heads)))
+
+
+def depth_attention(
+    depth: DepthState,
+    depth_head: DepthHead,
+    input_norm: Callable[[torch.Tensor], torch.Tensor],
+    block_logits: torch.Tensor | None,
+    *,
+    two_phase: bool,
+    scale_by_num_sources: bool,
+    recompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (normalised) input of one sublayer, mixed over the depth state by its (pseudo-query, key norm).
+
+    `block_logits` [B,T,n]: this sublayer's phase 1 (`two_phase` only), None to score here. `two_phase`: False runs
+    `depth_mix_reference`. `recompute`: `input_norm` runs inside the recomputed region (the mix output is then not kept
+    either), after it otherwise. -> sublayer input [B,T,d], depth weights [B,T,S] fp32
+    """
+    query_module, key_norm = depth_head
+    device, eps = depth.completed_inv_rms.device, key_norm.eps
+    pseudo_query, key_gain = query_module().to(device), key_norm().to(device)  # see score_completed_blocks
+
+    def mix(pseudo_query, key_gain, block_logits, partial_sum, completed_inv_rms, *completed_blocks):
+        state = DepthState(completed_blocks, completed_inv_rms, partial_sum)
+        if two_phase:
+            mixed, weights = depth_mix_two_phase(state, pseudo_query, key_gain, eps, scale_by_num_sources, block_logits)
+        else:
+            mixed, weights = depth_mix_reference(state, pseudo_query, key_gain, eps, scale_by_num_sources)
+        return (input_norm(mixed) if recompute else mixed), weights
+
+    depth_inputs = (depth.partial_sum, depth.completed_inv_rms, *depth.completed_blocks)
+    sublayer_input, weights = recomputed(mix, pseudo_query, key_gain, block_logits, *depth_inputs)
+    return (sublayer_input if recompute else input_norm(sublayer_input)), weights
