@@ -107,6 +107,12 @@ def split_held_out(
                 "documents (e.g. --eval-size 500) or name its own held-out split with --eval-split"
             )
         return documents.skip(int(eval_size)), documents.take(int(eval_size))
+    if len(documents) < 2:
+        raise DataError(
+            f"the dataset holds {len(documents)} document(s), and a held-out part is set aside by document: add "
+            "documents, or give the held-out documents their own folder (a folder with train/ and validation/ "
+            "subfolders and --eval-split validation)"
+        )
     try:
         splits = documents.train_test_split(test_size=eval_size if eval_size < 1 else int(eval_size), seed=seed)
     except ValueError as error:  # e.g. too few documents for the requested split
@@ -118,6 +124,8 @@ def _tokenize_and_pack(
     batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, text_field: str, seq_len: int
 ) -> dict[str, list[list[int]]]:
     texts = [text for text in batch[text_field] if text]  # datasets may hold empty or missing (None) texts
+    if not texts:  # a tokenizer fails on an empty batch; no text packs into no sequence
+        return {"input_ids": []}
     # verbose=False: no warning about documents longer than the model's context; packing cuts them to seq_len
     token_ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     stream = list(itertools.chain.from_iterable(ids + [tokenizer.eos_token_id] for ids in token_ids))

@@ -36,8 +36,16 @@ def check_output_dir(
     check_outside(output_dir, inputs, error)
     if output_dir.exists() and not output_dir.is_dir():
         raise error(f"{output_dir} exists and is not a folder")
+    check_can_be_made(output_dir, error)
     if non_empty_fix is not None and output_dir.is_dir() and any(output_dir.iterdir()):
         raise error(f"{output_dir} exists and is not empty; {non_empty_fix}")
+
+
+def check_can_be_made(path: Path, error: type[Exception]) -> None:
+    """Raise `error` when a file stands where a folder above `path` would have to be."""
+    existing = next(parent for parent in path.absolute().parents if parent.exists())
+    if not existing.is_dir():
+        raise error(f"{path} cannot be made: {existing} is a file, not a folder")
 
 
 def check_outside(output_dir: Path, inputs: Mapping[str, str | os.PathLike | None], error: type[Exception]) -> None:
@@ -122,6 +130,8 @@ def output_lock(path: Path, error: type[Exception]) -> Iterator[None]:
     """Hold `path` (an output file or folder) for this process while a command writes it: a lock file beside it,
     `.NAME.lock`, made atomically with the process id in it and removed at the end. A second command on the same
     output is refused with `error`; a lock whose process is gone (killed) is taken over."""
+    check_can_be_made(path, error)
+    path = path.resolve()  # `.` and `out/` have a name too
     lock = path.with_name(f".{path.name}.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
     while True:

