@@ -26,9 +26,9 @@ HEAVY_MODULES = ("torch", "transformers", "lm_eval", "accelerate", "datasets", "
 
 
 def model_folder(folder: Path) -> Path:
-    """A folder that passes for a model until something loads it: it has a config.json."""
+    """A folder that passes for a model until something loads it: it has a config.json that names a family."""
     folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text('{"model_type": "llama"}')
     return folder
 
 

@@ -509,6 +509,15 @@ def test_occupied_output_dir_needs_resume(checkpoints, data_files, tmp_path):
         run(tmp_path, checkpoints["attnres"], data_files["jsonl"])
 
 
+def test_resume_with_nothing_to_resume_starts_a_new_run(checkpoints, data_files, tmp_path, caplog):
+    """As in a fresh process, where no Accelerator exists before the run makes one: --resume into a new folder says
+    so and trains from step 0 (the notice once crashed there, logged before the Accelerator it needs)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with caplog.at_level("INFO"):
+        result = run(tmp_path / "new", checkpoints["attnres"], data_files["small"], resume=True, max_steps=1)
+    assert result.step == 1 and f"Nothing to resume in {tmp_path / 'new'}: starting a new run" in caplog.text
+
+
 @pytest.mark.skipif(LoggerType.TENSORBOARD in get_available_trackers(), reason="tensorboard is installed")
 def test_resume_never_trains_into_a_folder_that_holds_no_run(checkpoints, data_files, tmp_path):
     """A converted model with a file of the user's beside it: --resume refuses it by name and leaves every byte."""

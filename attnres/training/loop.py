@@ -370,6 +370,8 @@ def run_training(config: TrainingConfig, output_dir: Path) -> TrainingResult:
         checkpoints = Checkpoints(output_dir, config.save_total_limit, accelerator)
         resume_from = checkpoints.load_latest() if config.resume else None
         resumed_with = {}
+        if config.resume and resume_from is None:
+            logger.info(f"Nothing to resume in {output_dir}: starting a new run")
         if resume_from is not None:
             logger.info(f"Resumed from {resume_from} at step {run.progress.step}")
             resumed_with = apply_resumed_options(run.optimizer, run.scheduler, config)
@@ -413,10 +415,8 @@ RUN_RECORDS = (CHECKPOINTS_FOLDER, METRICS_FILE, TRAINING_CONFIG_FILE)
 def check_run_folder(output_dir: Path) -> None:
     """`--resume` continues a run of this tool, or starts one in a new or empty folder; it never trains into a folder
     of something else (a converted model, the user's files), whose files the run would mix with or replace."""
-    if not output_dir.is_dir() or not any(output_dir.iterdir()):
-        logger.info(f"Nothing to resume in {output_dir}: starting a new run")
-        return
-    if not any((output_dir / name).exists() for name in RUN_RECORDS):
+    holds_files = output_dir.is_dir() and any(output_dir.iterdir())
+    if holds_files and not any((output_dir / name).exists() for name in RUN_RECORDS):
         raise TrainingError(
             f"--resume: {output_dir} holds no run of attnres train (no {', '.join(RUN_RECORDS)}), and a run would "
             "replace or mix with what it holds; choose a new --output-dir (to train that model, pass it as --model)"
