@@ -40,10 +40,14 @@ RUN = {name: value for name, value in TINY_RUN.items() if name != "batch_size"} 
 LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 1e-5  # fp32 noise: sums reduced in another order, after 3 AdamW steps
 # Against the single process in bf16 autocast: bf16 rounding, which FSDP2 (bf16 parameters in compute) and DeepSpeed
-# (bf16 weights) add to the autocast's. Measured (loss, weights) after 3 steps: DDP 1.2e-3, 9.4e-3; FSDP2 7.7e-3,
-# 2.9e-2; ZeRO-3 2.1e-3, 3.0e-2. FSDP2 with Accelerate's own policy, which casts the fp32 depth state to bf16 between
-# layers: 5.9e-2 (`keep_depth_state_precise`).
-BF16_LOSS_TOLERANCE = 2e-2
+# (bf16 weights) add to the autocast's. AdamW turns rounding in near-zero gradients into steps of the full learning
+# rate, so the losses after an update drift by as much as bf16 itself moves them: the single process's third loss is
+# 2.2e-2 from its fp32 run. Measured (third loss, weights): DDP 1.7e-3, 1.7e-2; FSDP2 3.6e-2, 3.8e-2; ZeRO-3 2.6e-2,
+# 3.7e-2. FSDP2 with Accelerate's own policy, which casts the fp32 depth state to bf16 between layers: 5.9e-2 in the
+# weights (`keep_depth_state_precise`). The first loss, before any update, differs by the forward's rounding only:
+# 1.0e-3 for FSDP2 and ZeRO-3.
+BF16_FIRST_LOSS_TOLERANCE = 3e-3
+BF16_LOSS_TOLERANCE = 6e-2
 BF16_WEIGHT_TOLERANCE = 0.05
 TOLERANCES = {"no": (LOSS_TOLERANCE, WEIGHT_TOLERANCE), "bf16": (BF16_LOSS_TOLERANCE, BF16_WEIGHT_TOLERANCE)}
 
@@ -155,7 +159,9 @@ def assert_trains_like_one_process(
         f"max weight difference {weight_diff:.2e}"
     )
     loss_tolerance, weight_tolerance = TOLERANCES[mixed_precision]
+    first_loss_tolerance = LOSS_TOLERANCE if mixed_precision == "no" else BF16_FIRST_LOSS_TOLERANCE
     assert len(distributed) == RUN["max_steps"]
+    assert abs(distributed[0] - reference[0]) <= first_loss_tolerance
     assert loss_diff <= loss_tolerance
     assert weight_diff <= weight_tolerance
     assert type(AttnResForCausalLM.from_pretrained(output_dir)) is AttnResForCausalLM
