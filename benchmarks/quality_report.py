@@ -64,7 +64,11 @@ def paired_text(differences: list[float], digits: int = 4) -> str:
     mean, low, high, p = interval(differences)
     if math.isnan(low):
         return f"{mean:+.{digits}f} (1 pair: no interval)"
-    return f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}], p = {p:.2g} ({len(differences)} pairs)"
+    return f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}], p = {p:.2g} ({pairs(len(differences))})"
+
+
+def pairs(count: int) -> str:
+    return "1 pair" if count == 1 else f"{count} pairs"
 
 
 def short_count(count: int) -> str:
@@ -200,7 +204,7 @@ def gap_table(groups: dict, size: str) -> str:
         for i in range(len(tokens)):
             mean, low, high, _ = interval([seed_gaps[i] for seed_gaps in gaps])
             cells.append(f"{mean + 0.0:+.3f}" if math.isnan(low) else f"{mean + 0.0:+.3f} [{low:+.3f}, {high:+.3f}]")
-        rows.append([f"{label} − PreNorm ({len(gaps)} pairs)"] + cells)
+        rows.append([f"{label} − PreNorm ({pairs(len(gaps))})"] + cells)
     if columns is None:
         return ""
     return table(["tokens seen"] + [short_count(t) for t in columns], rows)
@@ -217,7 +221,7 @@ def plot_gaps(runs: list[dict], study: str, path: Path) -> None:
             if not gaps:
                 continue
             intervals = [interval(list(column)) for column in zip(*gaps, strict=True)]
-            label = f"{next(iter(groups[size, variant].values()))['label']} − PreNorm ({len(gaps)} pairs)"
+            label = f"{next(iter(groups[size, variant].values()))['label']} − PreNorm ({pairs(len(gaps))})"
             axes.plot(tokens, [i[0] for i in intervals], "o-", color=f"C{index + 1}", label=label, ms=3)
             if len(gaps) > 1:
                 axes.fill_between(tokens, [i[1] for i in intervals], [i[2] for i in intervals],
