@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .configuration_attnres import FAMILIES, AttnResConfig
-from .folders import check_output_dir
+from .folders import check_output_dir, output_lock, replace_fix, written_whole
 from .modeling_attnres import AttnResForCausalLM
 from .verification import SAMPLE_TEXT
 
@@ -318,16 +318,19 @@ def run_analyze(args: argparse.Namespace) -> int:
         source, gguf_file = resolve_source(args.baseline, args.baseline_gguf_file)
     check_tokenizer(args.model)  # its tokenizer encodes the text for both models: the baseline needs none
     inputs = {"the model": args.model, "the baseline": source, "the text": args.text, "the dataset": args.dataset}
-    check_output_dir(args.output, AnalysisError, inputs, None)  # its files go beside what is there, as on a rerun
-    # An AttnRes model loads with the installed classes, never its folder's copy of them; --trust-remote-code is for
-    # a baseline (or a wrong model) that brings code of its own
-    model = load_source(args.model, trust_remote_code=args.trust_remote_code).to(args.device)
-    tokenizer = load_source_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    input_ids = tokenizer(read_text(args), return_tensors="pt").input_ids[:, : args.tokens]
-    baseline = None
-    if source is not None:
-        baseline = load_source(source, gguf_file=gguf_file, trust_remote_code=args.trust_remote_code).to(args.device)
-    report = analyze(model, input_ids, args.output, baseline=baseline)
+    with output_lock(args.output, AnalysisError):  # two analyses into one folder would mix their files
+        check_output_dir(args.output, AnalysisError, inputs, replace_fix(args.overwrite))
+        # An AttnRes model loads with the installed classes, never its folder's copy of them; --trust-remote-code is
+        # for a baseline (or a wrong model) that brings code of its own
+        model = load_source(args.model, trust_remote_code=args.trust_remote_code).to(args.device)
+        tokenizer = load_source_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+        input_ids = tokenizer(read_text(args), return_tensors="pt").input_ids[:, : args.tokens]
+        baseline = None
+        if source is not None:
+            baseline = load_source(source, gguf_file=gguf_file, trust_remote_code=args.trust_remote_code)
+            baseline = baseline.to(args.device)
+        with written_whole(args.output) as staging:  # --overwrite: the earlier analysis goes whole, none of it stays
+            report = analyze(model, input_ids, staging, baseline=baseline)
     mean_entropy = sum(report["entropy"]) / len(report["entropy"])
     print(f"Analysed {report['tokens']} tokens (mean depth-weight entropy {mean_entropy:.3f} nats); wrote")
     print(f"depth_weights.png, magnitudes.png, gradients.png and analysis.json to {args.output}")

@@ -8,6 +8,7 @@ cut into sequences of `seq_len` tokens (the run_clm "group_texts" packing); the 
 Shuffling and sharding across processes are left to the data loader (see `attnres.training`).
 """
 
+import codecs
 import itertools
 import os
 import sysconfig
@@ -24,6 +25,8 @@ STDLIB_EXCLUDED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "i
 STDLIB_EXCLUDED_PREFIX = "_sysconfigdata"
 # Documents tokenised and packed together; the tail of each group shorter than one sequence is dropped.
 PACKING_GROUP_SIZE = 1000
+# Bytes of a text file checked at a time: a corpus file is read once whole before `datasets` reads it
+TEXT_CHECK_CHUNK = 1 << 20
 
 
 class DataError(ValueError):
@@ -49,7 +52,44 @@ def local_data_files(path: Path) -> tuple[str, list[str]]:
         raise DataError(f"{path}: expected {', '.join(LOCAL_BUILDERS)} files or a folder holding them")
     if len(builders) > 1:
         raise DataError(f"{path} mixes {' and '.join(sorted(builders))} files; point --dataset at one kind")
-    return builders.pop(), [str(file) for file in files]
+    builder = builders.pop()
+    if builder == "text":
+        for file in files:  # the first such file of a folder, in sorted order
+            check_utf8_text(file)
+    return builder, [str(file) for file in files]
+
+
+def check_utf8_text(file: Path) -> None:
+    """Refuse a text file that is not UTF-8 (Latin-1, say) or is binary (a NUL byte), which would be trained on as
+    U+FFFD replacement characters and noise: one line with the file, the first such byte's offset and the fix."""
+    found = first_non_text_byte(file)
+    if found is not None:
+        offset, what = found
+        raise DataError(
+            f"{file} is not UTF-8 text: at byte offset {offset}, {what}; convert it to UTF-8 (e.g. iconv -f latin1 "
+            "-t utf-8) or remove it from the dataset"
+        )
+
+
+def first_non_text_byte(file: Path) -> tuple[int, str] | None:
+    """(offset, what it is) of the first byte of `file` that is a NUL or no part of valid UTF-8, or None."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    position = 0
+    with file.open("rb") as stream:
+        while True:
+            chunk = stream.read(TEXT_CHECK_CHUNK)
+            pending = len(decoder.getstate()[0])  # the bytes of a character cut by the previous chunk's end
+            found = []
+            if b"\0" in chunk:
+                found.append((position + chunk.index(b"\0"), "a NUL byte, as in binary files"))
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                byte = error.object[error.start]  # `object`: the cut character's bytes, then the chunk
+                found.append((position - pending + error.start, f"0x{byte:02x} is no part of valid UTF-8"))
+            if found or not chunk:
+                return min(found, default=None)
+            position += len(chunk)
 
 
 def load_documents(

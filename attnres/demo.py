@@ -38,7 +38,7 @@ from .analysis import analyze
 from .cards import describe_layout
 from .conversion import convert_checkpoint
 from .eval import EvalReport, evaluate
-from .folders import check_output_dir, read_metrics, remove, written_whole
+from .folders import check_output_dir, read_metrics, remove, replace_fix, written_whole
 from .hub import evaluation_summary
 from .options import ANALYSIS_TOKENS, DEFAULT_SOURCE, DEMO_DEFAULTS, FIXTURES
 from .sources import (
@@ -119,8 +119,7 @@ def run_stage(result: DemoResult, number: int, total: int, stage: StageRun, work
 def prepare_output_dir(output_dir: Path, overwrite: bool, inputs: dict[str, str | None]) -> None:
     """Refuse a non-empty OUTPUT unless `overwrite`, which removes what an earlier demo wrote there (only that), and
     an OUTPUT that is, holds or lies inside one of `inputs`."""
-    replace_fix = None if overwrite else "pass --overwrite (overwrite=True) to replace it"
-    check_output_dir(output_dir, ConversionError, inputs, replace_fix)
+    check_output_dir(output_dir, ConversionError, inputs, replace_fix(overwrite))
     for name in OUTPUTS:
         remove(output_dir / name)
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -4,10 +4,12 @@ writing a file or folder whole or not at all, and the metrics a training run log
 Nothing here imports the rest of the package, so every module can use it.
 """
 
+import errno
 import json
+import logging
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,18 @@ from typing import Any
 CHECKPOINTS_FOLDER = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 TRAINING_CONFIG_FILE = "training_config.json"
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+# What the errors of writers that drop errno say of a full disk: safetensors' SafetensorError ("No space left on
+# device"), and torch.save's RuntimeErrors for a write that came up short, which name no cause at all
+DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "file write failed", "unexpected pos")
+SIZE_UNITS = ((10**12, "TB"), (10**9, "GB"), (10**6, "MB"), (10**3, "kB"))
+
+logger = logging.getLogger(__name__)
+
+
+class InterruptedReplaceError(FileExistsError):
+    """An output is missing because an earlier `--overwrite` stopped between setting it aside and moving its
+    replacement in: the old output is in `.NAME.previous`, its only copy, which nothing deletes."""
 
 
 def check_output_dir(
@@ -34,11 +48,17 @@ def check_output_dir(
       relative spellings (`./m`, `m/`, `../x/m`) are resolved first.
     """
     check_outside(output_dir, inputs, error)
+    check_not_set_aside(output_dir, error)
     if output_dir.exists() and not output_dir.is_dir():
         raise error(f"{output_dir} exists and is not a folder")
     check_can_be_made(output_dir, error)
     if non_empty_fix is not None and output_dir.is_dir() and any(output_dir.iterdir()):
         raise error(f"{output_dir} exists and is not empty; {non_empty_fix}")
+
+
+def replace_fix(overwrite: bool) -> str | None:
+    """`check_output_dir`'s `non_empty_fix` for a command that replaces its output whole with `--overwrite`."""
+    return None if overwrite else "pass --overwrite (overwrite=True) to replace it"
 
 
 def check_can_be_made(path: Path, error: type[Exception]) -> None:
@@ -93,17 +113,40 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def previous_path(path: Path) -> Path:
+    """Where `put_in_place` sets an output aside while its replacement moves in."""
+    return path.with_name(f".{path.name}.previous")
+
+
+def check_not_set_aside(path: Path, error: type[Exception]) -> None:
+    """Raise `error` when `path` is missing because a replacement of it was stopped halfway (a kill between the two
+    renames of `put_in_place`): its old contents are in `.NAME.previous`, which the user restores or deletes."""
+    previous = previous_path(path)
+    if previous.exists() and not path.exists():
+        raise error(
+            f"{path} is missing: an earlier --overwrite was stopped while replacing it, and the old output is in "
+            f"{previous}; restore it (mv {previous} {path}) or delete {previous}, then rerun"
+        )
+
+
 def put_in_place(staged: Path, path: Path) -> None:
     """Move the complete `staged` file or folder to `path`, replacing what was there; a rename, so `path` is never
-    half-written."""
-    if staged.is_dir() and path.exists():  # a folder cannot be renamed over another: set the old one aside first
-        previous = path.with_name(f".{path.name}.previous")
-        remove(previous)
-        path.rename(previous)
-        staged.rename(path)
-        remove(previous)
-    else:
+    half-written. A folder cannot be renamed over another: the old one is set aside as `.NAME.previous` (a notice
+    says so, for a kill between the two renames) and deleted once the new one is in place."""
+    check_not_set_aside(path, InterruptedReplaceError)  # that `.previous` is the old output's only copy
+    if not (staged.is_dir() and path.exists()):
         os.replace(staged, path)
+        return
+    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+        path.rmdir()  # an empty folder holds nothing to set aside
+        staged.rename(path)
+        return
+    previous = previous_path(path)
+    remove(previous)  # left by a replacement killed after its second rename: `path` holds the newer output
+    logger.info(f"Replacing {path}: the old output is in {previous} until the new one is in place")
+    path.rename(previous)
+    staged.rename(path)
+    remove(previous)
 
 
 @contextmanager
@@ -123,6 +166,49 @@ def written_whole(path: Path) -> Iterator[Path]:
     finally:
         if staging.exists():
             remove(staging)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error` is a write that failed for want of space (or quota), whichever library raised it."""
+    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+        return True
+    return any(words in str(error) for words in DISK_FULL_WORDS)
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """The bytes of `tensors` (torch tensors, or anything with `numel` and `element_size`): about what saving them
+    writes."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def format_size(size_in_bytes: int) -> str:
+    """1234567 -> '1.2 MB', in the decimal units of `--max-shard-size`."""
+    unit_bytes, unit = next(((bytes_, name) for bytes_, name in SIZE_UNITS if size_in_bytes >= bytes_), (1, "bytes"))
+    return f"{size_in_bytes / unit_bytes:.1f} {unit}" if unit_bytes > 1 else f"{size_in_bytes} bytes"
+
+
+def free_space(path: Path) -> int:
+    """Bytes free on the disk that holds `path` (or would, for a folder not made yet)."""
+    existing = next(folder for folder in (path, *path.absolute().parents) if folder.exists())
+    return shutil.disk_usage(existing).free
+
+
+@contextmanager
+def disk_space_for(
+    folder: Path, needed_bytes: int, error: type[Exception], fix: str = "choose an output folder on another disk"
+) -> Iterator[None]:
+    """Turn a full disk while the block writes `folder` into `error`, one line: the folder, about how much space
+    writing it needs and how much is free, and `fix`. Put it around `written_whole`, so that the free space is told
+    once the partial files are gone."""
+    try:
+        yield
+    except Exception as failure:
+        if not is_disk_full(failure):
+            raise
+        raise error(
+            f"the disk is full: writing {folder} needs about {format_size(needed_bytes)}, and "
+            f"{format_size(free_space(folder))} is free there; free up space, or {fix}"
+        ) from failure
 
 
 @contextmanager

@@ -15,12 +15,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from huggingface_hub import HfApi, ModelCard
+from huggingface_hub import HfApi, ModelCard, get_token
+from huggingface_hub import constants as hub_constants
 from transformers import PreTrainedConfig
 
 from .cards import model_card, origin_record, read_origin
 from .folders import CHECKPOINTS_FOLDER
-from .sources import load_source_config
+from .sources import hub_reachable, load_source_config
 
 try:  # huggingface_hub's HTTP client, whose network errors are not OSErrors: httpx2 from huggingface_hub 2 on
     from httpx2 import HTTPError as HubClientError
@@ -54,6 +55,26 @@ def folder_with_readme(folder: Path, readme: str | None) -> Iterator[Path]:
         (staging / "README.md").unlink(missing_ok=True)
         (staging / "README.md").write_text(readme, encoding="utf-8")
         yield staging
+
+
+def check_can_upload(repo_id: str) -> None:
+    """Refuse an upload to `repo_id` before any work (a conversion, a run, a card) when it cannot succeed: in offline
+    mode, without a token (huggingface_hub's lookup: HF_TOKEN or the saved login), or with the Hub out of reach."""
+    if hub_constants.HF_HUB_OFFLINE:
+        raise HubUploadError(
+            f"uploading to {repo_id} needs the network, which offline mode (--offline or HF_HUB_OFFLINE=1) forbids: "
+            "turn it off, or leave out the upload"
+        )
+    if get_token() is None:
+        raise HubUploadError(
+            f"uploading to {repo_id} needs a Hugging Face token, and none is set: run `huggingface-cli login`, or "
+            "set HF_TOKEN"
+        )
+    if not hub_reachable():
+        raise HubUploadError(
+            f"uploading to {repo_id} needs the Hub, and {hub_constants.ENDPOINT} cannot be reached: check the network "
+            "(or HF_ENDPOINT), or leave out the upload and run `attnres push` later"
+        )
 
 
 def push_folder(
@@ -140,7 +161,9 @@ def push_model(model_dir: str | Path, repo_id: str, private: bool = False, trust
     transformers does not know) needs `trust_remote_code` for that.
     """
     folder = Path(model_dir)
-    readme = model_card_for_push(folder, load_model_folder_config(folder, trust_remote_code))
+    config = load_model_folder_config(folder, trust_remote_code)
+    check_can_upload(repo_id)
+    readme = model_card_for_push(folder, config)
     ignore = [f"{CHECKPOINTS_FOLDER}/*"]
     return push_folder(folder, repo_id, "Upload AttnRes model with attnres push", ignore, private, readme)
 

@@ -31,7 +31,7 @@ from lm_eval.utils import handle_non_serializable
 from safetensors import SafetensorError
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..folders import check_output_dir
+from ..folders import check_output_dir, output_lock, replace_fix, written_whole
 from ..options import DEFAULT_SOURCE, DEFAULT_TASKS, EVAL_COLUMNS, EVAL_DTYPES, FIXTURES, TASK_ALIASES, parameters_from
 from ..sources import (
     ConversionError,
@@ -468,6 +468,7 @@ def evaluate(
     baseline_label: str = EVAL_COLUMNS[0],
     model_label: str = EVAL_COLUMNS[1],
     trust_remote_code: bool = False,
+    overwrite: bool = False,
 ) -> EvalReport:
     """Evaluate `model` (and `baseline`, its source, first) with lm-eval; write results, samples and summary.md.
 
@@ -483,7 +484,8 @@ def evaluate(
     `model_label` name the table's two columns (the demo's baseline is a trained control, not a source). AttnRes
     models load with the installed classes, never a folder's copy of them; a named model that needs code of its own
     (an `auto_map` in its config.json, for a model type transformers does not know) raises `ConversionError` before
-    any loads, unless `trust_remote_code`.
+    any loads, unless `trust_remote_code`. An `output_dir` with files in it raises `EvalError` unless `overwrite`,
+    which replaces it whole once the new results are complete.
     """
     if output_dir is None:
         raise EvalError("evaluate() needs an output_dir for the results and summary.md")
@@ -502,33 +504,49 @@ def evaluate(
             with offline_mode(is_offline):  # a Hub repo's config.json comes from the cache then
                 trust_remote_code_for(inputs[what], trust_remote_code, gguf_file)
     output_dir = Path(output_dir)
-    check_output_dir(output_dir, EvalError, inputs, None)  # results go beside what is there, as on a rerun
-    if data_path == FIXTURES_DIR:
-        logger.warning("Using the bundled FIXTURES (our own easy questions), NOT BENCHMARK DATA.")
-    output_dir.mkdir(parents=True, exist_ok=True)
+    with output_lock(output_dir, EvalError):  # two evaluations into one folder would mix their results
+        check_output_dir(output_dir, EvalError, inputs, replace_fix(overwrite))
+        if data_path == FIXTURES_DIR:
+            logger.warning("Using the bundled FIXTURES (our own easy questions), NOT BENCHMARK DATA.")
+        # --overwrite replaces the folder whole: no results of an earlier comparison stay beside the new ones
+        with written_whole(output_dir) as staging:
+            staging.mkdir()
+            columns = (baseline_label, model_label)
+            candidates = zip(LABELS, columns, (baseline, model), strict=True)
+            load_options = {"tokenizer": tokenizer, "dtype": dtype, "device": device}
+            load_options["trust_remote_code"] = trust_remote_code
+            results, described = evaluate_each(candidates, load_options, settings, staging, is_offline)
+            notes = ["Offline: the bundled twins of lm-eval's tasks (attnres/eval/tasks)."] if is_offline else []
+            rows = compare(results.get("source"), results["attnres"])
+            note = fixtures_note(results["attnres"]) if data_path == FIXTURES_DIR else ""
+            report = EvalReport(rows, output_dir / "summary.md", results, columns, note)
+            (staging / "summary.md").write_text(summary_markdown(report, described, settings, notes))
+    logger.info("Wrote %s", report.summary_path)
+    return report
 
-    results = {}
-    described = {}
-    columns = (baseline_label, model_label)
-    for label, column, candidate in zip(LABELS, columns, (baseline, model), strict=True):
+
+def evaluate_each(
+    candidates: Iterator[tuple[str, str, str | os.PathLike | PreTrainedModel | None]],
+    load_options: dict,
+    settings: RunSettings,
+    output_dir: Path,
+    is_offline: bool,
+) -> tuple[dict[str, dict], dict[str, str]]:
+    """Evaluate each (label, column, model) that is not None in turn, one loaded at a time, writing its results into
+    `output_dir` -> (results, description) by label."""
+    results, described = {}, {}
+    for label, column, candidate in candidates:
         if candidate is None:
             continue
         described[label] = describe(candidate)
-        logger.info("Evaluating %s (%s) on %s", column, described[label], ", ".join(names))
+        logger.info("Evaluating %s (%s) on %s", column, described[label], ", ".join(settings.names))
         with offline_mode(is_offline):
-            loaded, loaded_tokenizer = load_model(candidate, tokenizer, dtype, device, trust_remote_code)
-        with code_execution_allowed() if allow_code_execution else nullcontext():
+            loaded, loaded_tokenizer = load_model(candidate, **load_options)
+        with code_execution_allowed() if settings.allow_code_execution else nullcontext():
             results[label] = save_results(run_lm_eval(loaded, loaded_tokenizer, settings), label, output_dir)
         del loaded  # free the baseline before the model loads
         gc.collect()
-
-    notes = ["Offline: the bundled twins of lm-eval's tasks (attnres/eval/tasks)."] if is_offline else []
-    rows = compare(results.get("source"), results["attnres"])
-    note = fixtures_note(results["attnres"]) if data_path == FIXTURES_DIR else ""
-    report = EvalReport(rows, output_dir / "summary.md", results, columns, note)
-    report.summary_path.write_text(summary_markdown(report, described, settings, notes))
-    logger.info("Wrote %s", report.summary_path)
-    return report
+    return results, described
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 (mirrored to Accelerate's trackers), and SIGTERM or Ctrl-C turned into a checkpoint and a clean stop.
 """
 
+import itertools
 import json
 import logging
 import pickle
@@ -12,12 +13,23 @@ import types
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
-from ..folders import CHECKPOINTS_FOLDER, put_in_place, remove, staging_path, written_whole
+from ..folders import (
+    CHECKPOINTS_FOLDER,
+    disk_space_for,
+    put_in_place,
+    remove,
+    staging_path,
+    tensor_bytes,
+    written_whole,
+)
+from ..options import TrainingError
 
 logger = logging.getLogger(__name__)
+RESUME_FIX = "rerun with --resume from the checkpoints saved before it, which are intact"
 
 
 class Checkpoints:
@@ -70,7 +82,13 @@ class Checkpoints:
         if accelerator.is_main_process:
             remove(staging)  # left over from a save that was interrupted
         accelerator.wait_for_everyone()
-        accelerator.save_state(staging)
+        with disk_space_for(checkpoint, state_bytes(accelerator), TrainingError, RESUME_FIX):
+            try:
+                accelerator.save_state(staging)
+            except BaseException:
+                if accelerator.is_main_process:
+                    remove(staging)  # a half-written checkpoint would only keep the disk full
+                raise
         accelerator.wait_for_everyone()  # save_state returns on each process when its own part is written
         if accelerator.is_main_process:
             put_in_place(staging, checkpoint)
@@ -78,7 +96,6 @@ class Checkpoints:
                 remove(old)
         accelerator.wait_for_everyone()
         return checkpoint
-
 
     def set_aside_from(self, step: int) -> list[Path]:
         """Rename the checkpoints of `step` and later to `failed-step-N`, so that --resume passes them by (they are
@@ -91,6 +108,22 @@ class Checkpoints:
                 path.rename(target)
         self.accelerator.wait_for_everyone()
         return moved
+
+
+def state_bytes(accelerator: Accelerator) -> int:
+    """About what `save_state` writes: the weights of the prepared models and the optimizers' state. This process's
+    part only (local shards under FSDP), read without any collective: the other processes may not be here."""
+    weights = itertools.chain.from_iterable(
+        itertools.chain(model.parameters(), model.buffers()) for model in accelerator._models
+    )
+    optimizer_state = (
+        value
+        for optimizer in accelerator._optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+    return tensor_bytes(itertools.chain(weights, optimizer_state))
 
 
 class MetricsLog:

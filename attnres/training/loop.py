@@ -34,11 +34,14 @@ from ..folders import (
     METRICS_FILE,
     TRAINING_CONFIG_FILE,
     check_output_dir,
+    disk_space_for,
     output_lock,
     read_metrics,
+    remove,
+    tensor_bytes,
     written_whole,
 )
-from ..hub import push_folder
+from ..hub import check_can_upload, push_folder
 from ..options import TrainingConfig, TrainingError, parameters_from
 from ..sources import load_source_tokenizer
 from .batches import TrainingProgress, build_datasets, make_data_loaders, training_batches
@@ -300,25 +303,41 @@ def export(run: Run) -> None:
     `get_state_dict` gathers FSDP / ZeRO-3 shards, so every process takes part. Merging LoRA needs whole weights: the
     main process rebuilds the model on the CPU, loads the gathered weights into it and merges there.
     """
-    accelerator, config = run.accelerator, run.config
+    accelerator = run.accelerator
     state_dict = accelerator.get_state_dict(uncompiled(run))  # whole on the main process
     if accelerator.is_main_process:
-        if config.train == "lora" and config.merge_lora:
-            peft_model = make_trainable(load_model(config), config)
-            peft_model.load_state_dict(state_dict)
-            model = peft_model.merge_and_unload()
-            model.save_pretrained(run.output_dir)
-        else:
-            model = accelerator.unwrap_model(run.model, keep_torch_compile=False)
-            if isinstance(model, FSDPModule):
-                model, state_dict = unsharded_twin(model, state_dict), None
-            model.save_pretrained(run.output_dir, state_dict=state_dict)
-        run.tokenizer.save_pretrained(run.output_dir)
-        if isinstance(model, PreTrainedModel):  # a model, not LoRA adapters alone
-            origin = trained_origin(run, model)
-            write_origin(run.output_dir, origin)
-            model_card(model.config, origin).save(run.output_dir / "README.md")
+        # Written beside, then each file moved in: a kill or a full disk leaves the run folder as it was
+        staging = run.output_dir / EXPORT_STAGING
+        remove(staging)
+        fix = "write the run to another disk (its checkpoints are intact: --resume exports from the last)"
+        try:
+            with disk_space_for(run.output_dir, tensor_bytes(state_dict.values()), TrainingError, fix):
+                save_trained_model(run, state_dict, staging)
+                for path in sorted(staging.iterdir()):
+                    os.replace(path, run.output_dir / path.name)
+        finally:
+            remove(staging)
     accelerator.wait_for_everyone()
+
+
+def save_trained_model(run: Run, state_dict: dict[str, torch.Tensor], folder: Path) -> None:
+    """`export`'s files, written into `folder` by the main process."""
+    config = run.config
+    if config.train == "lora" and config.merge_lora:
+        peft_model = make_trainable(load_model(config), config)
+        peft_model.load_state_dict(state_dict)
+        model = peft_model.merge_and_unload()
+        model.save_pretrained(folder)
+    else:
+        model = run.accelerator.unwrap_model(run.model, keep_torch_compile=False)
+        if isinstance(model, FSDPModule):
+            model, state_dict = unsharded_twin(model, state_dict), None
+        model.save_pretrained(folder, state_dict=state_dict)
+    run.tokenizer.save_pretrained(folder)
+    if isinstance(model, PreTrainedModel):  # a model, not LoRA adapters alone
+        origin = trained_origin(run, model)
+        write_origin(folder, origin)
+        model_card(model.config, origin).save(folder / "README.md")
 
 
 def trained_origin(run: Run, model: PreTrainedModel) -> dict[str, Any]:
@@ -355,6 +374,8 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
     check_output_dir(output_dir, TrainingError, inputs, None if config.resume else fix)
     if config.resume:
         check_run_folder(output_dir)
+    if config.push_to_hub:
+        check_can_upload(config.push_to_hub)  # before the run, not after it
     # One run per output folder; the launcher's first process holds it for all (they share the folder)
     first_process = os.environ.get("RANK", "0") == "0"
     with output_lock(output_dir, TrainingError) if first_process else contextlib.nullcontext():
@@ -409,6 +430,7 @@ def run_training(config: TrainingConfig, output_dir: Path) -> TrainingResult:
     return TrainingResult(output_dir, run.progress.step, metrics, stopped_by is not None, model, stopped_by)
 
 
+EXPORT_STAGING = ".export.partial"  # inside the run folder: the exported files move from it one by one
 RUN_RECORDS = (CHECKPOINTS_FOLDER, METRICS_FILE, TRAINING_CONFIG_FILE)
 
 
