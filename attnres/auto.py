@@ -13,22 +13,24 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 # All of these are `attnres.<name>` too: attnres/__init__.py serves its `__all__` from here
 from .configuration_attnres import SUPPORTED_FAMILIES, AttnResConfig  # noqa: F401
+from .depth_mixing import DEPTH_RULES
 from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel  # noqa: F401
 
 AutoConfig.register("attnres", AttnResConfig, exist_ok=True)
 AutoModel.register(AttnResConfig, AttnResModel, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
 
-# The modules AttnRes adds to the source model, by their names in modeling_attnres.py: the pseudo-query and key norm
-# of each sublayer's depth mix and of the output aggregation. PEFT's `modules_to_save` takes these names.
-ATTNRES_MODULES = [
-    "self_attention_res_proj",
-    "self_attention_res_norm",
-    "mlp_res_proj",
-    "mlp_res_norm",
-    "output_attn_res_proj",
-    "output_attn_res_norm",
-]
+# The modules AttnRes adds to the source model, by their names in modeling_attnres.py: what each depth-mixing rule
+# learns for each sublayer and for the output aggregation (Block and Full AttnRes: a pseudo-query and a key norm).
+# PEFT's `modules_to_save` takes these names.
+ATTNRES_MODULES = sorted(
+    {
+        f"{sublayer}_res_{part}"
+        for sublayer in ("self_attention", "mlp", "output_attn")
+        for rule in DEPTH_RULES.values()
+        for part in rule.parts
+    }
+)
 
 # PEFT chooses LoRA's default target modules by model_type; AttnRes keeps the source family's projection names.
 if importlib.util.find_spec("peft") is not None:
@@ -43,5 +45,5 @@ def is_attnres_parameter(name: str) -> bool:
 
 
 def added_parameter_count(model: nn.Module) -> int:
-    """Parameters that AttnRes adds to the source: pseudo-queries and key norms."""
+    """Parameters that AttnRes adds to the source: those of its depth-mixing rule."""
     return sum(parameter.numel() for name, parameter in model.named_parameters() if is_attnres_parameter(name))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
+from .folders import is_disk_full
 from .options import (
     ANALYSIS_TOKENS,
     CONVERT_DTYPES,
@@ -34,6 +35,7 @@ from .options import (
     EVAL_DTYPES,
     FIXTURES,
     MODES,
+    MODES_HELP,
     TASK_ALIASES,
     TRUST_REMOTE_CODE_HELP,
     OptionError,
@@ -50,10 +52,12 @@ USER_ERRORS = (
     ("attnres.eval.harness", "EvalError"),
     ("attnres.hub", "HubUploadError"),
     ("attnres.analysis", "AnalysisError"),
+    ("attnres.folders", "InterruptedReplaceError"),
 )
-# The user's files and disks: a path that does not exist or cannot be read or written, a full or read-only disk
+# The user's files and disks: a path that does not exist or cannot be read or written, a read-only disk (and a full
+# one: `is_disk_full`, which also knows the errors of writers that drop errno)
 USER_FILE_ERRORS = (FileNotFoundError, PermissionError)
-USER_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+USER_DISK_ERRNOS = {errno.EROFS}
 # Optional dependencies by top-level module -> the extra of this package that installs them
 EXTRAS = {
     "accelerate": "train",
@@ -103,6 +107,10 @@ def add_trust_remote_code_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
 
 
+def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (refused otherwise)")
+
+
 def add_device_argument(parser: argparse.ArgumentParser, runs_there: str) -> None:
     parser.add_argument(
         "--device", default="cpu", help=f"cpu, cuda, cuda:1, mps ...: {runs_there} there (default: %(default)s)"
@@ -117,7 +125,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("output_dir", type=Path, help="folder to create; refused if it exists and is not empty")
     parser.add_argument("--gguf-file", help="load the weights from this GGUF file inside SOURCE")
-    parser.add_argument("--mode", choices=MODES, default="block", help="Block (default) or Full AttnRes")
+    parser.add_argument("--mode", choices=MODES, default="block", help=MODES_HELP)
     parser.add_argument(
         "--block-size", type=int, help="decoder layers per block in block mode (default: about 8 blocks)"
     )
@@ -153,6 +161,7 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokens", type=int, default=ANALYSIS_TOKENS, help="number of tokens to analyse (default: %(default)s)"
     )
     parser.add_argument("--output", type=Path, default=Path("analysis"), help="output folder (default: ./analysis)")
+    add_overwrite_argument(parser)
     add_device_argument(parser, "the models run")
     add_offline_argument(parser, OFFLINE_HELP)
     add_trust_remote_code_argument(parser)
@@ -190,6 +199,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         default=Path("eval-results"),
         help="folder for results_*.json, samples and summary.md (default: %(default)s)",
     )
+    add_overwrite_argument(parser)
     add_offline_argument(
         parser,
         "never use the network: the bundled offline tasks, and Hub ids from the Hugging Face cache only "
@@ -424,8 +434,9 @@ def check_values(args: argparse.Namespace) -> None:
             raise OptionError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if getattr(args, "max_shard_size", None) is not None:
         size_in_bytes(args.max_shard_size)
-    if getattr(args, "mode", None) == "full" and getattr(args, "block_size", None) is not None:
-        raise OptionError("--block-size sets the layers per block of Block AttnRes; Full AttnRes has none")
+    mode = getattr(args, "mode", None)
+    if mode not in (None, "block") and getattr(args, "block_size", None) is not None:
+        raise OptionError(f"--block-size sets the layers per block of Block AttnRes; --mode {mode} has none")
     text = getattr(args, "text", None)
     if text is not None and not Path(text).is_file():
         raise OptionError(f"--text {text}: no such file")
@@ -492,13 +503,28 @@ def run(args: argparse.Namespace, debug: bool) -> int:
         run_command = getattr(importlib.import_module(module_name), function_name)
         check_values(args)
         check_models(command, args)
+        if getattr(args, "push_to_hub", None):  # before the conversion or the run whose result it uploads
+            from .hub import check_can_upload
+
+            check_can_upload(args.push_to_hub)
         return run_command(args)
 
 
+def user_error_classes() -> tuple[type[Exception], ...]:
+    return tuple(getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules)
+
+
 def is_user_error(error: BaseException) -> bool:
-    classes = [getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules]
-    disk_error = isinstance(error, OSError) and error.errno in USER_DISK_ERRNOS
-    return disk_error or isinstance(error, (*classes, *USER_FILE_ERRORS))
+    disk_error = is_disk_full(error) or (isinstance(error, OSError) and error.errno in USER_DISK_ERRNOS)
+    return disk_error or isinstance(error, (*user_error_classes(), *USER_FILE_ERRORS))
+
+
+def user_message(error: BaseException) -> str:
+    """The one line of a user error: its message, which says what to do; a full disk that no command has described
+    (the raw error of a writer) says it too."""
+    if is_disk_full(error) and not isinstance(error, user_error_classes()):
+        return f"the disk is full ({error}); free up space, or write to another disk"
+    return str(error)
 
 
 def missing_extra(error: ModuleNotFoundError, command: Command) -> str | None:
@@ -527,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         if debug or not is_user_error(error):
             raise  # a bug: its traceback is what a report needs
-        print(f"attnres {name}: error: {error}", file=sys.stderr)
+        print(f"attnres {name}: error: {user_message(error)}", file=sys.stderr)
         return 1
 
 

@@ -137,7 +137,42 @@ REFUSED_FAMILIES = {
     **dict.fromkeys(("t5", "bart", "mbart", "whisper"), ENCODER),
 }
 POST_NORM_FAMILIES = tuple(family for family, reason in REFUSED_FAMILIES.items() if reason == POST_NORM)
-MODES = ("block", "full")
+
+
+@dataclass(frozen=True)
+class ResidualRule:
+    """One row of the depth-mixing rules: what a sublayer's input is formed from, and whether the rule can start as
+    the source's plain residual stream (which conversion needs). How each rule reads and writes is depth_mixing.py's.
+
+    `sources`: "stream", one running representation (the recurrences); "blocks", the token embedding, the sums of the
+    completed blocks and the partial sum of the current one (Block AttnRes); "outputs", the embedding and every
+    sublayer output (Full AttnRes, DenseFormer). `converts`: None where the rule starts as the plain stream, else why
+    it cannot.
+    """
+
+    label: str
+    sources: str
+    converts: str | None = None
+
+
+RESIDUAL_RULES = {
+    "block": ResidualRule("Block AttnRes", "blocks"),
+    "full": ResidualRule("Full AttnRes", "outputs"),
+    "prenorm": ResidualRule("PreNorm (the plain residual stream)", "stream"),
+    "postnorm": ResidualRule(
+        "PostNorm", "stream", "it normalises the stream after every sublayer, which the source does not do"
+    ),
+    "rezero": ResidualRule("ReZero (a learned scalar on each sublayer output)", "stream"),
+    "layerscale": ResidualRule("LayerScale (a learned vector on each sublayer output)", "stream"),
+    "highway": ResidualRule(
+        "Highway (an input-dependent gate between the stream and each sublayer output)",
+        "stream",
+        "its gate mixes the stream and the sublayer output as (1 - g) h + g f, which is never the plain sum h + f",
+    ),
+    "denseformer": ResidualRule("DenseFormer (learned static weights over every earlier output)", "outputs"),
+}
+MODES = tuple(RESIDUAL_RULES)
+ATTNRES_MODES = ("block", "full")  # the rules whose sublayers mix by depth attention
 IMPLEMENTATIONS = ("two_phase", "naive")
 DEFAULT_NUM_BLOCKS = 8
 
@@ -185,9 +220,14 @@ class AttnResConfig(PreTrainedConfig):
             The full config of the source architecture, one of `SUPPORTED_FAMILIES` (its `model_type`). Others are
             refused, naming why (post-norm, parallel attention and MLP, hybrid, encoder, or no family row).
         attnres_mode (`str`, defaults to `"block"`):
-            `"block"`: each sublayer attends over the token embedding, the sums of the completed blocks and the
-            partial sum of the current block. `"full"`: each sublayer attends over the embedding and every earlier
-            sublayer output.
+            The depth-mixing rule, one of `RESIDUAL_RULES`. `"block"`: each sublayer attends over the token embedding,
+            the sums of the completed blocks and the partial sum of the current block. `"full"`: each sublayer attends
+            over the embedding and every earlier sublayer output. The others are the rules the paper compares AttnRes
+            with: `"prenorm"` (the source's own residual stream), `"postnorm"` (the stream normalised after each
+            sublayer, by that sublayer's input norm), `"rezero"` and `"layerscale"` (each sublayer output scaled by a
+            learned scalar or per-channel vector), `"highway"` (a per-token gate g = sigmoid(w . h/rms(h) + b) between
+            the stream and the output), `"denseformer"` (each sublayer input a learned weighted sum of the embedding
+            and every earlier output, weights 1 at init).
         attnres_block_size (`int`, *optional*):
             Decoder layers per block for `"block"` mode (the paper's `block_size` counts sublayers: it is twice this).
             Blocks start at the decoder layers whose 0-based index is a multiple of it. Defaults to
@@ -205,6 +245,10 @@ class AttnResConfig(PreTrainedConfig):
             cancels that scale except for its epsilon (`RMSNorm(h/k)` uses `eps*k^2`). Rescaling restores the stream
             exactly, so converted checkpoints reproduce their source bit for bit up to float rounding. Converted models
             turn it on; models trained from scratch can stay paper-literal (`False`).
+        attnres_scale_init (`float`, *optional*):
+            The initial value of the `"rezero"` scalars and `"layerscale"` vectors. Defaults to each rule's published
+            initialisation for training from scratch: 0 for ReZero; for LayerScale, CaiT's 0.1 up to 18 layers, 1e-5 up
+            to 24, 1e-6 beyond. Conversion sets 1, the plain stream.
         attnres_recompute (`bool`, defaults to `False`):
             The depth mix never keeps its intermediates for the backward pass (it recomputes them); with this on, it
             does not keep its output either, and recomputes the sublayer's input norm with it, so that a layer keeps
@@ -222,6 +266,7 @@ class AttnResConfig(PreTrainedConfig):
     attnres_eps: float | None = None
     attnres_implementation: str = "two_phase"
     attnres_scale_by_num_sources: bool = False
+    attnres_scale_init: float | None = None
     attnres_recompute: bool = False
     tie_word_embeddings: bool = False
 
@@ -233,6 +278,8 @@ class AttnResConfig(PreTrainedConfig):
         num_layers = self.text_config.num_hidden_layers
         if self.attnres_mode not in MODES:
             raise ValueError(f"attnres_mode: got {self.attnres_mode!r}, expected one of {MODES}.")
+        if self.attnres_scale_init is not None and not math.isfinite(self.attnres_scale_init):
+            raise ValueError(f"attnres_scale_init: got {self.attnres_scale_init!r}, expected a finite float.")
         if self.attnres_implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"attnres_implementation: got {self.attnres_implementation!r}, expected one of {IMPLEMENTATIONS}."
@@ -275,14 +322,17 @@ class AttnResConfig(PreTrainedConfig):
         """Whether sublayer `sublayer_index` (0-based; attention = 2*layer, MLP = 2*layer + 1) opens a new block.
 
         The rule of the paper's Block AttnRes pseudocode (arXiv 2603.15031), `layer_number % (block_size // 2) == 0`,
-        on the 0-based index; in Full mode every sublayer output is a source of its own.
+        on the 0-based index; where every sublayer output is a source of its own, each opens one; the recurrences keep
+        one stream, which never closes.
         """
-        if self.attnres_mode == "full":
-            return True
+        sources = RESIDUAL_RULES[self.attnres_mode].sources
+        if sources != "blocks":
+            return sources == "outputs"
         return sublayer_index % (2 * self.attnres_block_size) == 0
 
     def num_sources(self) -> list[int]:
-        """How many sources each sublayer attends over, in order (A0, M0, A1, ...), then the output aggregation."""
+        """How many sources each sublayer mixes, in order (A0, M0, A1, ...), then the output aggregation (1 for each
+        of the recurrences: the stream)."""
         counts, completed, has_partial = [], 0, True  # before layer 0 the partial sum is the embedding
         for sublayer in range(2 * self.text_config.num_hidden_layers):
             if self.sublayer_starts_block(sublayer):
@@ -292,4 +342,4 @@ class AttnResConfig(PreTrainedConfig):
         return counts + [completed + 1]
 
 
-__all__ = ["AttnResConfig", "FAMILIES", "SUPPORTED_FAMILIES"]
+__all__ = ["AttnResConfig", "FAMILIES", "RESIDUAL_RULES", "SUPPORTED_FAMILIES"]

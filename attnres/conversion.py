@@ -9,6 +9,7 @@ is `attnres convert`: all of that from a checkpoint on disk or the Hub to a self
 """
 
 import copy
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -19,8 +20,8 @@ from transformers.utils import logging as hf_logging
 
 from .auto import added_parameter_count, is_attnres_parameter
 from .cards import conversion_record, describe_layout, model_card, origin_record, write_origin
-from .configuration_attnres import AttnResConfig
-from .folders import check_output_dir, output_lock, written_whole
+from .configuration_attnres import RESIDUAL_RULES, AttnResConfig
+from .folders import check_output_dir, disk_space_for, output_lock, replace_fix, tensor_bytes, written_whole
 from .modeling_attnres import AttnResForCausalLM
 from .options import CONVERT_DTYPES
 from .sources import (
@@ -47,9 +48,10 @@ class VerificationError(ConversionError):
 
 
 def attnres_config_for(
-    source_config: PreTrainedConfig, mode: str = "block", block_size: int | None = None
+    source_config: PreTrainedConfig, mode: str = "block", block_size: int | None = None, exact_start: bool = True
 ) -> AttnResConfig:
-    """The AttnRes config around `source_config`'s text model, set to reproduce the source exactly at init.
+    """The AttnRes config around `source_config`'s text model, set to reproduce the source exactly at init; with
+    `exact_start=False`, set as the rule of `mode` initialises for training from scratch (any rule).
 
     Raises `ConversionError` (listing the supported families) for architectures AttnRes cannot wrap, so callers can
     check a checkpoint from its config alone, before loading any weights.
@@ -64,12 +66,20 @@ def attnres_config_for(
     # A source's own code (--trust-remote-code) is no part of the converted model, which runs the source family's
     # transformers classes; left in, the AttnRes config would read it through and save it as its own auto_map
     text_config_dict.pop("auto_map", None)
+    rule = RESIDUAL_RULES.get(mode)
+    if exact_start and rule is not None and rule.converts is not None:
+        raise ConversionError(
+            f"--mode {mode} cannot start as the source computes: {rule.converts}. Train it from scratch "
+            "(attnres train --convert --from-scratch), or convert to a rule that starts exact: "
+            f"{', '.join(name for name, other in RESIDUAL_RULES.items() if other.converts is None)}"
+        )
     try:
         return AttnResConfig(
             text_config=text_config_dict,
             attnres_mode=mode,
             attnres_block_size=block_size,
-            attnres_scale_by_num_sources=True,
+            attnres_scale_by_num_sources=exact_start,
+            attnres_scale_init=1.0 if exact_start else None,  # ReZero and LayerScale start as the plain stream
         )
     except ValueError as error:
         raise ConversionError(f"cannot convert a '{source_config.model_type}' checkpoint: {error}") from error
@@ -167,8 +177,7 @@ def convert_checkpoint(
     """
     source, output_dir = str(source), Path(output_dir)
     with output_lock(output_dir, ConversionError):  # two conversions into one folder would mix their files
-        replace_fix = None if overwrite else "pass --overwrite (overwrite=True) to replace it"
-        check_output_dir(output_dir, ConversionError, {"the source model": source}, replace_fix)
+        check_output_dir(output_dir, ConversionError, {"the source model": source}, replace_fix(overwrite))
         config = attnres_config_for(load_source_config(source, gguf_file, trust_remote_code), mode, block_size)
         logger.info("Source: %s", source + (f", {gguf_file}" if gguf_file else ""))
         logger.info(describe_layout(config))
@@ -199,7 +208,8 @@ def convert_checkpoint(
 
         logger.info("[4/4] Writing %s", output_dir)
         origin = origin_record(source, gguf_file, conversion_record(model, report))
-        with written_whole(output_dir) as staging:
+        needed_bytes = tensor_bytes(itertools.chain(model.parameters(), model.buffers()))
+        with disk_space_for(output_dir, needed_bytes, ConversionError), written_whole(output_dir) as staging:
             model.save_pretrained(staging, max_shard_size=max_shard_size)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)

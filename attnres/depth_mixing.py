@@ -264,3 +264,194 @@ def depth_attention(
     depth_inputs = (depth.partial_sum, depth.completed_inv_rms, *depth.completed_blocks)
     sublayer_input, weights = recomputed(mix, pseudo_query, key_gain, block_logits, *depth_inputs)
     return (sublayer_input if recompute else input_norm(sublayer_input)), weights
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The residual rules: how each sublayer reads its input from the depth state, and how its output joins the state
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class ResidualScale(nn.Module):
+    """ReZero's scalar or LayerScale's per-channel vector on one sublayer's output (init: `initial_value`)."""
+
+    def __init__(self, shape: tuple[int, ...], initial_value: float):
+        super().__init__()
+        self.initial_value = initial_value
+        self.weight = nn.Parameter(torch.full(shape, initial_value))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+class HighwayGate(nn.Module):
+    """The per-token gate g = sigmoid(w . h/rms(h) + b) of one sublayer, read from the stream h before it.
+
+    w starts at zero and b at `INITIAL_BIAS`, so every token starts with the same gate, leaning to carry the stream
+    (Highway Networks' advice of a negative bias); normalising h keeps the gate's scale independent of depth.
+    """
+
+    INITIAL_BIAS = -1.0
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.bias = nn.Parameter(torch.full((1,), self.INITIAL_BIAS))  # [1], not a scalar: FSDP2 shards dim 0
+        self.eps = eps
+
+    def forward(self, stream: torch.Tensor) -> torch.Tensor:
+        """[B,T,d] -> g [B,T,1] in the stream's dtype"""
+        with fp32_region(stream):
+            logit = (upcast(stream) @ upcast(self.weight)) * inverse_rms(stream, self.eps) + upcast(self.bias)
+        return torch.sigmoid(logit).unsqueeze(-1).to(stream.dtype)
+
+
+class SourceWeights(nn.Module):
+    """DenseFormer's learned static weights of one sublayer over its sources (embedding, then every earlier output),
+    all 1 at init: the plain residual sum."""
+
+    def __init__(self, num_sources: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_sources))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+Head = tuple[nn.Module, ...]  # the modules one sublayer's rule learns, in the order of the rule's `parts`
+
+
+class DepthRule:
+    """A depth-mixing rule as the decoder layers run it. `parts` names the modules of one sublayer's head (the model
+    registers them as `<sublayer>_res_<part>`); `heads` builds them. The sublayer's input norm is handed to `read` and
+    `write`: PreNorm-style rules normalise what they read, PostNorm what they write.
+
+    The default is the plain residual stream (PreNorm): read norm(h), write h + f.
+    """
+
+    parts: tuple[str, ...] = ()
+    mixes_sources = False  # whether reads weigh sources, the output aggregation's too (which then has a head)
+
+    def heads(self, config, sources: int) -> dict[str, nn.Module]:
+        """The modules of one sublayer that mixes `sources` sources."""
+        return {}
+
+    def score(self, depth: DepthState, heads: tuple[Head, ...]) -> tuple[torch.Tensor | None, ...]:
+        """Work that several sublayers reading the same depth state share (AttnRes's phase 1); one entry per head."""
+        return (None,) * len(heads)
+
+    def read(
+        self, depth: DepthState, head: Head, norm: Callable, scores: torch.Tensor | None, flags: dict
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> the sublayer's input [B,T,d], its weights over the sources [B,T,S] (None where the rule has none)"""
+        return norm(depth.partial_sum), None
+
+    def finish(self, depth: DepthState, head: Head, final_norm: Callable, flags: dict):
+        """The model's output from the last depth state: a read by the output head, through the final norm."""
+        return self.read(depth, head, final_norm, None, flags)
+
+    def write(self, depth: DepthState, output: torch.Tensor, head: Head, norm: Callable) -> DepthState:
+        """The depth state with the sublayer's output [B,T,d] joined."""
+        return depth.add(output)
+
+
+class AttnResRule(DepthRule):
+    """Block and Full AttnRes: each sublayer's input is its depth attention over the sources."""
+
+    parts = ("proj", "norm")
+    mixes_sources = True
+
+    def heads(self, config, sources: int) -> dict[str, nn.Module]:
+        hidden_size = config.text_config.hidden_size
+        return {"proj": AttnResPseudoQuery(hidden_size), "norm": AttnResKeyNorm(hidden_size, config.attnres_eps)}
+
+    def score(self, depth, heads):
+        return score_completed_blocks(depth, *heads)
+
+    def read(self, depth, head, norm, scores, flags):
+        return depth_attention(depth, head, norm, scores, **flags)
+
+
+class PostNormRule(DepthRule):
+    """h <- norm(h + f(h)): the sublayer reads the stream as it is, which the norm of the last write has normalised."""
+
+    def read(self, depth, head, norm, scores, flags):
+        return depth.partial_sum, None
+
+    def finish(self, depth, head, final_norm, flags):
+        return final_norm(depth.partial_sum), None
+
+    def write(self, depth, output, head, norm):
+        return DepthState(depth.completed_blocks, depth.completed_inv_rms, norm(depth.partial_sum + output))
+
+
+class ScaledOutputRule(DepthRule):
+    """h <- h + s * f(norm(h)): ReZero (s a scalar) or LayerScale (s a vector [d]), s = `attnres_scale_init` at init,
+    else the rule's published value."""
+
+    parts = ("scale",)
+
+    def __init__(self, per_channel: bool):
+        self.per_channel = per_channel
+
+    def initial_scale(self, config) -> float:
+        if config.attnres_scale_init is not None:
+            return config.attnres_scale_init
+        if not self.per_channel:
+            return 0.0  # ReZero: every sublayer starts as the identity
+        layers = config.text_config.num_hidden_layers
+        return 0.1 if layers <= 18 else 1e-5 if layers <= 24 else 1e-6  # CaiT's rule by depth
+
+    def heads(self, config, sources):
+        shape = (config.text_config.hidden_size,) if self.per_channel else (1,)  # [1], not a scalar: FSDP2 shards dim 0
+        return {"scale": ResidualScale(shape, self.initial_scale(config))}
+
+    def write(self, depth, output, head, norm):
+        (scale,) = head
+        return depth.add(output * scale().to(output.dtype))
+
+
+class HighwayRule(DepthRule):
+    """h <- (1 - g) h + g f(norm(h)), g = sigmoid(w . h/rms(h) + b) per token."""
+
+    parts = ("gate",)
+
+    def heads(self, config, sources):
+        return {"gate": HighwayGate(config.text_config.hidden_size, config.attnres_eps)}
+
+    def write(self, depth, output, head, norm):
+        (gate,) = head
+        stream = depth.partial_sum
+        return DepthState(depth.completed_blocks, depth.completed_inv_rms, torch.lerp(stream, output, gate(stream)))
+
+
+class DenseFormerRule(DepthRule):
+    """Each sublayer's input is norm(sum_i a_i v_i) over the embedding and every earlier output v_i, with learned
+    static weights a (all 1 at init, which is the plain stream)."""
+
+    parts = ("weights",)
+    mixes_sources = True
+
+    def heads(self, config, sources):
+        return {"weights": SourceWeights(sources)}
+
+    def read(self, depth, head, norm, scores, flags):
+        (source_weights,) = head
+        partial = () if depth.partial_sum is None else (depth.partial_sum,)
+        sources = depth.completed_blocks + partial
+        weights = source_weights().to(sources[0].dtype)  # [S]
+        mixed = sources[0] * weights[0]
+        for index in range(1, len(sources)):  # in the order the stream sums them: exact at weights 1
+            mixed = mixed + sources[index] * weights[index]
+        return norm(mixed), weights.float().expand(*mixed.shape[:-1], -1)
+
+
+DEPTH_RULES = {
+    "block": AttnResRule(),
+    "full": AttnResRule(),
+    "prenorm": DepthRule(),
+    "postnorm": PostNormRule(),
+    "rezero": ScaledOutputRule(per_channel=False),
+    "layerscale": ScaledOutputRule(per_channel=True),
+    "highway": HighwayRule(),
+    "denseformer": DenseFormerRule(),
+}

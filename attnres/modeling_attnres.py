@@ -35,7 +35,15 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import FAMILIES, AttnResConfig, Family
-from .depth_mixing import AttnResKeyNorm, AttnResPseudoQuery, DepthState, depth_attention, score_completed_blocks
+from .depth_mixing import (
+    DEPTH_RULES,
+    AttnResKeyNorm,
+    AttnResPseudoQuery,
+    DepthState,
+    HighwayGate,
+    ResidualScale,
+    SourceWeights,
+)
 
 # Saved next to the weights, this file runs on every transformers from OLDEST_TRANSFORMERS on. 5.24 renamed the KV
 # cache from `past_key_values` to `cache` (the argument of models, layers and mask builders, and the output field):
@@ -114,11 +122,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         source_layer = family_class(self.family, "DecoderLayer")(config.text_config, layer_idx)
         for name, child in source_layer.named_children():
             self.add_module(name, child)
-        hidden_size = config.text_config.hidden_size
-        self.self_attention_res_proj = AttnResPseudoQuery(hidden_size)
-        self.self_attention_res_norm = AttnResKeyNorm(hidden_size, config.attnres_eps)
-        self.mlp_res_proj = AttnResPseudoQuery(hidden_size)
-        self.mlp_res_norm = AttnResKeyNorm(hidden_size, config.attnres_eps)
+        # What the depth-mixing rule learns for each sublayer: `self_attention_res_<part>` and `mlp_res_<part>`
+        self.rule = DEPTH_RULES[config.attnres_mode]
+        sources = config.num_sources()
+        for sublayer, index in (("self_attention", 2 * layer_idx), ("mlp", 2 * layer_idx + 1)):
+            for part, module in self.rule.heads(config, sources[index]).items():
+                self.add_module(f"{sublayer}_res_{part}", module)
         self.attention_starts_block = config.sublayer_starts_block(2 * layer_idx)
         self.mlp_starts_block = config.sublayer_starts_block(2 * layer_idx + 1)
 
@@ -126,6 +135,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             None if self.family.residual_multiplier_key is None
             else getattr(config.text_config, self.family.residual_multiplier_key)
         )  # fmt: skip
+
+    def _head(self, sublayer: str) -> tuple[nn.Module, ...]:
+        return tuple(getattr(self, f"{sublayer}_res_{part}") for part in self.rule.parts)
 
     def _norm(self, name: str | None, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states if name is None else getattr(self, name)(hidden_states)
@@ -154,22 +166,21 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
 
         The KV cache is in `kwargs` under `CACHE_NAME`, passed on to the attention as the installed version names it.
         """
-        family, flags = self.family, depth_mix_flags(self.config)
+        family, flags, rule = self.family, depth_mix_flags(self.config), self.rule
         depth = DepthState(completed_blocks, completed_inv_rms, partial_sum)
         if self.attention_starts_block:
             depth = depth.close_block(self.config.attnres_eps)
-        attention_head = (self.self_attention_res_proj, self.self_attention_res_norm)
-        mlp_head = (self.mlp_res_proj, self.mlp_res_norm)
+        attention_head, mlp_head = self._head("self_attention"), self._head("mlp")
+        attention_norm = partial(self._norm, family.attention_input_norm)
+        mlp_norm = partial(self._norm, family.mlp_input_norm)
+        # Once for both sublayers (AttnRes's phase 1): the MLP's mix reads the same completed blocks as the
+        # attention's (a block the MLP closes closes after its mix)
+        attention_scores, mlp_scores = (
+            rule.score(depth, (attention_head, mlp_head)) if flags["two_phase"] else (None,) * 2
+        )
 
-        # Phase 1, once for both sublayers: the MLP's mix reads the same completed blocks as the attention's (a block
-        # the MLP closes closes after its mix)
-        if flags["two_phase"]:
-            attention_logits, mlp_logits = score_completed_blocks(depth, attention_head, mlp_head)
-        else:  # the reference scores each sublayer's sources itself
-            attention_logits = mlp_logits = None
-
-        attention_input, attention_depth_weights = depth_attention(
-            depth, attention_head, partial(self._norm, family.attention_input_norm), attention_logits, **flags
+        attention_input, attention_depth_weights = rule.read(
+            depth, attention_head, attention_norm, attention_scores, flags
         )
         attention_output, _ = self.self_attn(
             hidden_states=attention_input,
@@ -177,18 +188,16 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        depth = depth.add(self._sublayer_output(0, attention_output))
+        depth = rule.write(depth, self._sublayer_output(0, attention_output), attention_head, attention_norm)
 
         # In Full mode the MLP still reads the attention output as its partial sum, which closes after it
-        mlp_input, mlp_depth_weights = depth_attention(
-            depth, mlp_head, partial(self._norm, family.mlp_input_norm), mlp_logits, **flags
-        )
+        mlp_input, mlp_depth_weights = rule.read(depth, mlp_head, mlp_norm, mlp_scores, flags)
         if self.mlp_starts_block:
             depth = depth.close_block(self.config.attnres_eps)
         mlp_output = self.mlp(mlp_input)
         if family.mlp_returns_tuple:
             mlp_output = mlp_output[0]
-        depth = depth.add(self._sublayer_output(1, mlp_output))
+        depth = rule.write(depth, self._sublayer_output(1, mlp_output), mlp_head, mlp_norm)
 
         completed_blocks, completed_inv_rms, partial_sum = depth
         return partial_sum, attention_depth_weights, mlp_depth_weights, completed_inv_rms, *completed_blocks
@@ -268,8 +277,13 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, AttnResPseudoQuery):
             init.zeros_(module.weight)  # "all pseudo-query vectors must be initialized to zero" (paper §5)
-        elif isinstance(module, AttnResKeyNorm):
+        elif isinstance(module, (AttnResKeyNorm, SourceWeights)):
             init.ones_(module.weight)
+        elif isinstance(module, ResidualScale):
+            init.constant_(module.weight, module.initial_value)
+        elif isinstance(module, HighwayGate):
+            init.zeros_(module.weight)
+            init.constant_(module.bias, HighwayGate.INITIAL_BIAS)
         else:
             # The source family's own rules (MoE experts, Gemma3's (1 + w) norms and per-type RoPE), applied by an
             # instance of its PreTrainedModel that carries nothing but the source config.
@@ -300,9 +314,11 @@ class AttnResModel(AttnResPreTrainedModel):
         self.layers = nn.ModuleList(
             [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(text_config.num_hidden_layers)]
         )
-        # The final aggregation over all blocks, before the final norm (paper §3.2, A1)
-        self.output_attn_res_proj = AttnResPseudoQuery(hidden_size)
-        self.output_attn_res_norm = AttnResKeyNorm(hidden_size, config.attnres_eps)
+        # The final aggregation over all blocks, before the final norm (paper §3.2, A1): `output_attn_res_<part>`
+        self.rule = DEPTH_RULES[config.attnres_mode]
+        if self.rule.mixes_sources:
+            for part, module in self.rule.heads(config, config.num_sources()[-1]).items():
+                self.add_module(f"output_attn_res_{part}", module)
         self.norm = family_class(family, "RMSNorm")(hidden_size, eps=text_config.rms_norm_eps)
         self.rotary_emb = family_class(family, "RotaryEmbedding")(config=text_config)
         self.gradient_checkpointing = False
@@ -381,14 +397,18 @@ class AttnResModel(AttnResPreTrainedModel):
             depth_weights += [attention_weights, mlp_weights]
 
         depth = DepthState(tuple(completed_blocks), completed_inv_rms, partial_sum)
-        output_head = (self.output_attn_res_proj, self.output_attn_res_norm)
-        hidden_states, output_depth_weight = depth_attention(
-            depth, output_head, self.norm, None, **depth_mix_flags(self.config)
+        output_parts = self.rule.parts if self.rule.mixes_sources else ()
+        output_head = tuple(getattr(self, f"output_attn_res_{part}") for part in output_parts)
+        hidden_states, output_depth_weight = self.rule.finish(
+            depth, output_head, self.norm, depth_mix_flags(self.config)
         )
         return AttnResModelOutputWithPast(
             last_hidden_state=hidden_states,
             **{CACHE_NAME: cache},
-            depth_weights=tuple(depth_weights + [output_depth_weight]) if output_depth_weights else None,
+            # None for the recurrences, which weigh no sources
+            depth_weights=tuple(depth_weights + [output_depth_weight])
+            if output_depth_weights and output_depth_weight is not None
+            else None,
         )
 
 

@@ -15,7 +15,12 @@ from typing import Any
 
 # Restated from configuration_attnres.py, which travels with saved models and so imports nothing of this package
 # (tests/test_cli.py checks that the two agree)
-MODES = ("block", "full")
+MODES = ("block", "full", "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer")
+MODES_HELP = (
+    "the depth-mixing rule: block (Block AttnRes, the default), full (Full AttnRes), or one the paper compares them "
+    "with: prenorm, postnorm, rezero, layerscale, highway, denseformer (postnorm and highway cannot start as the "
+    "source computes: train them --from-scratch)"
+)
 # dtypes a command line may ask for: of converted weights (`attnres convert`), and to evaluate in (auto: the
 # checkpoint's own)
 CONVERT_DTYPES = ("float32", "bfloat16")
@@ -105,7 +110,14 @@ class TrainingConfig:
     )
     trust_remote_code: bool = field(default=False, metadata={"help": TRUST_REMOTE_CODE_HELP})
     convert: bool = field(default=False, metadata={"help": "convert a source MODEL to AttnRes before training"})
-    mode: str = field(default="block", metadata={"help": "AttnRes mode, with --convert", "choices": MODES})
+    mode: str = field(default="block", metadata={"help": f"with --convert, {MODES_HELP}", "choices": MODES})
+    from_scratch: bool = field(
+        default=False,
+        metadata={
+            "help": "with --convert: MODEL's architecture with the rule of --mode and random weights, initialised as "
+            "each rule publishes (MODEL's weights are not read)"
+        },
+    )
     block_size: int | None = field(
         default=None, metadata={"help": "decoder layers per block, with --convert (default: about 8 blocks)"}
     )
@@ -230,10 +242,12 @@ class TrainingConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and valid(value)):
                 raise TrainingError(f"--{name.replace('_', '-')} must be {wanted}, got {value}")
-        if not self.convert and (self.mode != "block" or self.block_size is not None):
-            raise TrainingError("--mode and --block-size choose how --convert converts: add --convert, or drop them")
-        if self.mode == "full" and self.block_size is not None:
-            raise TrainingError("--block-size sets the layers per block of Block AttnRes; Full AttnRes has none")
+        if not self.convert and (self.mode != "block" or self.block_size is not None or self.from_scratch):
+            raise TrainingError(
+                "--mode, --block-size and --from-scratch choose how --convert converts: add --convert, or drop them"
+            )
+        if self.mode != "block" and self.block_size is not None:
+            raise TrainingError(f"--block-size sets the layers per block of Block AttnRes; --mode {self.mode} has none")
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
             raise TrainingError(
                 f"--stop-at-step must be between 1 and --max-steps ({self.max_steps}), got {self.stop_at_step}"

@@ -131,9 +131,18 @@ SMOKE_SIZES = {
 SWEEP_LRS = {"small": (1e-3, 2e-3, 4e-3, 8e-3), "base": (5e-4, 1e-3, 2e-3, 4e-3)}
 SEEDS = {"sweep": 1, "table4": 3, "long": 3, "convert-tiny": 3, "cpt-smollm2": 2}
 # Table 4's rules: at `small` all of them, at `base` the main ones. The rule names are `attnres_mode` values, and
-# `prenorm` is the source Llama itself.
-RULES = {"prenorm": "PreNorm", "block": "Block AttnRes", "full": "Full AttnRes"}
-TABLE4_RULES = {"small": tuple(RULES), "base": tuple(RULES)}
+# `prenorm` is the source Llama itself (the same computation as attnres_mode="prenorm", in the class users train).
+RULES = {
+    "prenorm": "PreNorm",
+    "block": "Block AttnRes",
+    "full": "Full AttnRes",
+    "postnorm": "PostNorm",
+    "rezero": "ReZero",
+    "layerscale": "LayerScale",
+    "highway": "Highway",
+    "denseformer": "DenseFormer",
+}
+TABLE4_RULES = {"small": tuple(RULES), "base": ("prenorm", "block", "full")}
 LONG_RULES = ("prenorm", "block", "full")
 # Options that take their value from the sweep when the run starts (the sweep's best learning rate of the size)
 TUNED_LR, QUARTER_TUNED_LR = "tuned", "tuned/4"

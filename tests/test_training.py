@@ -460,7 +460,7 @@ def test_nonsense_numbers_are_refused_before_anything_loads(option, value, words
     """Each of these once trained silently into a ruined model (a negative clipping norm made the loss climb)."""
     with pytest.raises(TrainingError, match=words):
         TrainingConfig(output_dir="unused", **{option: value})
-    with pytest.raises(TrainingError, match="Full AttnRes has none"):
+    with pytest.raises(TrainingError, match="--mode full has none"):
         TrainingConfig(output_dir="unused", convert=True, mode="full", block_size=2)
     TrainingConfig(output_dir="unused", attnres_lr=0.0, max_grad_norm=0.0, warmup_steps=0, min_lr_ratio=1.0)
 

@@ -10,7 +10,8 @@ from transformers import PreTrainedModel, get_scheduler
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..auto import ATTNRES_MODULES, is_attnres_parameter
-from ..conversion import convert_to_attnres
+from ..conversion import attnres_config_for, convert_to_attnres
+from ..modeling_attnres import AttnResForCausalLM
 from ..options import DEFAULT_SOURCE, SCHEDULERS, TrainingConfig, TrainingError
 from ..sources import load_source, load_source_config, resolve_source
 
@@ -28,12 +29,17 @@ def is_attnres(model: nn.Module) -> bool:
 
 def load_model(config: TrainingConfig) -> PreTrainedModel:
     """The model to train, in float32 (mixed precision is Accelerate's autocast): AttnRes (with the installed classes,
-    never the folder's copy), converted, or as is (a model that needs code of its own: `--trust-remote-code`)."""
+    never the folder's copy), converted, built from the source's architecture with random weights (`--from-scratch`),
+    or as is (a model that needs code of its own: `--trust-remote-code`)."""
     path, gguf_file = model_location(config)
     if not config.convert:
         return load_source(path, torch.float32, gguf_file, config.trust_remote_code)
-    if load_source_config(path, gguf_file, config.trust_remote_code).model_type == "attnres":
+    source_config = load_source_config(path, gguf_file, config.trust_remote_code)
+    if source_config.model_type == "attnres":
         raise TrainingError(f"{path} is already an AttnRes model; drop --convert")
+    if config.from_scratch:
+        attnres_config = attnres_config_for(source_config, config.mode, config.block_size, exact_start=False)
+        return AttnResForCausalLM(attnres_config).float()
     if is_deepspeed_zero3_enabled():  # set by the Accelerator: from_pretrained now partitions what it loads
         raise TrainingError(
             "--convert cannot read the source's weights once DeepSpeed ZeRO-3 has partitioned them: convert first "

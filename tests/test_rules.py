@@ -1,0 +1,148 @@
+"""The depth-mixing rules side by side (PreNorm, PostNorm, ReZero, LayerScale, Highway, DenseFormer, Block and Full
+AttnRes): each converts exactly where it can start as the source, is refused in one line where it cannot, trains from
+scratch, reloads, and generates with and without the cache, in the package and as remote code."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import random_ids, tiny_source_config, tiny_source_model, tiny_tokenizer
+
+import attnres
+from attnres.configuration_attnres import RESIDUAL_RULES
+from attnres.conversion import convert_to_attnres
+from attnres.sources import ConversionError
+
+EXACT_RULES = [name for name, rule in RESIDUAL_RULES.items() if rule.converts is None]
+FAMILIES = ["llama", "gemma3_text", "qwen3_moe"]  # plain, (1 + w) norms with output norms and sliding layers, MoE
+TRAINING_FAMILIES = ["llama", "gemma3_text", "qwen2"]  # qwen2 (biased projections) for MoE: its steps take 5x longer
+
+
+def scratch_model(family: str, rule: str, seed: int = 0) -> attnres.AttnResForCausalLM:
+    config = attnres.AttnResConfig(text_config=tiny_source_config(family, num_layers=4).to_dict(), attnres_mode=rule)
+    torch.manual_seed(seed)
+    return attnres.AttnResForCausalLM(config)
+
+
+def test_the_rules_the_paper_compares_are_all_offered():
+    assert set(RESIDUAL_RULES) == {
+        "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer", "block", "full"
+    }  # fmt: skip
+    assert [name for name, rule in RESIDUAL_RULES.items() if rule.converts is not None] == ["postnorm", "highway"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rule", EXACT_RULES)
+def test_exact_rules_convert_to_what_the_source_computes(rule, family):
+    source = tiny_source_model(family)
+    ids = random_ids()
+    with torch.no_grad():
+        expected = source(ids).logits
+        converted = convert_to_attnres(source, mode=rule)
+        logits = converted(ids).logits
+    assert converted.config.attnres_mode == rule
+    # The recurrences and DenseFormer add the same tensors in the same order: bit for bit, but for the MoE family,
+    # whose experts run in the order of the routing (1.2e-7 measured)
+    tolerance = 1e-5 if rule in ("block", "full") else 1e-6 if family == "qwen3_moe" else 0
+    assert (logits - expected).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("rule", ["postnorm", "highway"])
+def test_rules_that_cannot_start_exact_are_refused_for_conversion(rule):
+    with pytest.raises(ConversionError, match=rf"--mode {rule} cannot start as the source computes: .*--from-scratch"):
+        convert_to_attnres(tiny_source_model("llama"), mode=rule)
+
+
+@pytest.fixture(scope="module")
+def text_batches() -> tuple[torch.Tensor, torch.Tensor]:
+    """Training and held-out sequences of two different standard-library modules, as the tiny tokenizer reads them."""
+    tokenizer, seq_len = tiny_tokenizer(), 48
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+
+    def sequences(module: str, count: int) -> torch.Tensor:
+        ids = tokenizer((stdlib / f"{module}.py").read_text())["input_ids"][: count * seq_len]
+        return torch.tensor(ids).view(count, seq_len)
+
+    return sequences("textwrap", 64), sequences("bisect", 8)
+
+
+@pytest.mark.parametrize("family", TRAINING_FAMILIES)
+@pytest.mark.parametrize("rule", list(RESIDUAL_RULES))
+def test_every_rule_trains_from_scratch(rule, family, text_batches):
+    """30 AdamW steps on one module's text lower the loss on another module's text by at least 1 nat (of ~4.6)."""
+    train_ids, held_out_ids = text_batches
+    model = scratch_model(family, rule)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    def held_out_loss() -> float:
+        with torch.no_grad():
+            return model(held_out_ids, labels=held_out_ids).loss.item()
+
+    before = held_out_loss()
+    for step in range(30):
+        batch = train_ids[(step * 8) % 64 :][:8]
+        model(batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = held_out_loss()
+    print(f"{rule} {family}: held-out loss {before:.3f} -> {after:.3f}")
+    assert after < before - 1.0
+
+
+def randomize_rule_parameters(model: attnres.AttnResForCausalLM, seed: int = 0) -> None:
+    """Every parameter the rule adds away from its init, so that reloading and caching are tested off the identity."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "_res_" in name:
+                parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+
+
+REMOTE_CODE_SCRIPT = """
+import sys, torch
+sys.modules["attnres"] = None  # the package must not be needed
+from transformers import AutoModelForCausalLM
+ids = torch.load(sys.argv[1])
+for folder in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    torch.save(model.generate(ids, max_new_tokens=8, do_sample=False), folder + "/remote.pt")
+"""
+
+
+def test_every_rule_reloads_and_generates_with_and_without_the_cache_and_as_remote_code(tmp_path):
+    ids = random_ids(batch=1, length=6)
+    expected = {}
+    for family in FAMILIES:
+        for rule in RESIDUAL_RULES:
+            model = scratch_model(family, rule).eval()
+            randomize_rule_parameters(model)
+            folder = tmp_path / f"{family}-{rule}"
+            model.save_pretrained(folder)
+            reloaded = attnres.AttnResForCausalLM.from_pretrained(folder).eval()
+            with torch.no_grad():
+                # equal up to the float rounding of products over weights that sit elsewhere in memory (1.2e-7)
+                torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+                cached = model.generate(ids, max_new_tokens=8, do_sample=False)
+                uncached = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False)
+            assert torch.equal(cached, uncached), (family, rule)
+            expected[folder] = cached
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    folders = [str(folder) for folder in expected if folder.name.startswith("llama-")]
+    command = [sys.executable, "-c", REMOTE_CODE_SCRIPT, str(tmp_path / "ids.pt"), *folders]
+    subprocess.run(command, check=True, env=env, cwd=tmp_path, timeout=300)
+    for folder in folders:
+        assert torch.equal(torch.load(Path(folder) / "remote.pt"), expected[Path(folder)]), folder
+
+
+def test_rezero_and_layerscale_start_as_published_and_conversion_starts_them_at_one():
+    rezero, layerscale = scratch_model("llama", "rezero"), scratch_model("llama", "layerscale")
+    assert rezero.model.layers[0].self_attention_res_scale.weight.tolist() == [0.0]
+    assert torch.all(layerscale.model.layers[0].mlp_res_scale.weight == 0.1)  # CaiT's value up to 18 layers
+    converted = convert_to_attnres(tiny_source_model("llama"), mode="layerscale")
+    assert torch.all(converted.model.layers[0].mlp_res_scale.weight == 1)
