@@ -47,6 +47,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -557,7 +558,9 @@ def resolved_options(setting: Setting, run: RunSpec) -> dict[str, Any]:
         if lr is None:
             raise QualityError(f"{run.id} takes the learning rate of the {run.size} sweep, which is not complete")
         filled = {TUNED_LR: lr, QUARTER_TUNED_LR: lr / 4}
-        options = {name: filled.get(value, value) if isinstance(value, str) else value for name, value in options.items()}
+        options = {
+            name: filled.get(value, value) if isinstance(value, str) else value for name, value in options.items()
+        }
     return options
 
 
@@ -621,7 +624,7 @@ def train_run(setting: Setting, run: RunSpec, stop_at_step: int | None = None) -
             shutil.copytree(setting.work / same.id, staging)
         return folder
     logger.info("Run %s: %s, seed %d", run.id, run.label, run.seed)
-    train(
+    result = train(
         **resolved_options(setting, run),
         model=initial_model(setting, run),
         output_dir=str(folder),
@@ -630,6 +633,9 @@ def train_run(setting: Setting, run: RunSpec, stop_at_step: int | None = None) -
         save_total_limit=1,
         stop_at_step=stop_at_step,
     )
+    if result.interrupted and result.stopped_by != "--stop-at-step":  # a signal: the checkpoint is saved, stop here
+        logger.info("Stopped %s (%s) with a checkpoint saved: rerun to resume it", run.id, result.stopped_by)
+        raise SystemExit(128 + signal.Signals[result.stopped_by])
     return folder
 
 

@@ -133,6 +133,23 @@ def test_a_stopped_run_resumes_to_the_same_curve(smoke, tmp_path):
     assert curve == results(smoke)[run.id]["curve"]
 
 
+def test_a_run_stopped_by_a_signal_stops_the_study_without_a_result(tmp_path, monkeypatch):
+    """SIGTERM during a run: the study exits 143 with the checkpoint saved and writes no JSON for the unfinished run
+    (it once went on to read the folder as a trained model and died on its missing config)."""
+    from attnres.training import TrainingResult
+
+    run = next(spec for spec in quality.all_runs(smoke=True) if spec.id == "table4-small-block-seed0")
+    setting = quality.Setting(tmp_path, tmp_path / "results", tmp_path, "smoke", smoke=True, threads=1, command="")
+    monkeypatch.setattr(quality, "initial_model", lambda setting, run: "unused")
+    monkeypatch.setattr(
+        quality, "train", lambda **options: TrainingResult(Path(options["output_dir"]), 3, {}, True, None, "SIGTERM")
+    )
+    monkeypatch.setattr(quality, "resolved_options", lambda setting, run: {})
+    with pytest.raises(SystemExit) as stopped:
+        quality.complete(setting, run, {run.id: run})
+    assert stopped.value.code == 143 and not (tmp_path / "results").exists()
+
+
 def test_reproduce_prints_the_committed_curve_up_to_n_tokens(smoke):
     path = smoke / "results" / "convert-tiny-converted-cpt-seed0.json"
     committed = json.loads(path.read_text())["curve"]

@@ -263,7 +263,7 @@ def test_attnres_recompute_trains_the_same_weights_and_is_saved(checkpoints, dat
     assert max_abs_diff(weights(tmp_path / "plain"), weights(tmp_path / "recomputed")) <= 1e-6
     saved = json.loads((tmp_path / "recomputed" / "config.json").read_text())
     assert (saved["attnres_recompute"], saved["attnres_mode"]) == (True, "block")
-    with pytest.raises(TrainingError, match="--attnres-recompute applies to AttnRes models.*--convert"):
+    with pytest.raises(TrainingError, match="--attnres-recompute applies to Block and Full AttnRes models.*--convert"):
         run(tmp_path / "source", checkpoints["source"], data_files["jsonl"], attnres_recompute=True)
 
 
@@ -507,6 +507,25 @@ def test_occupied_output_dir_needs_resume(checkpoints, data_files, tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(TrainingError, match="pass --resume"):
         run(tmp_path, checkpoints["attnres"], data_files["jsonl"])
+
+
+@pytest.mark.parametrize("mode", ["highway", "denseformer"])
+def test_from_scratch_trains_a_rule_on_the_sources_architecture(mode, checkpoints, data_files, tmp_path):
+    """--convert --from-scratch: the source's shape with the rule's own init, none of the source's weights; the
+    command line refuses --from-scratch without --convert, and converting to Highway, in one line each."""
+    result = run(tmp_path / "out", checkpoints["source"], data_files["jsonl"], convert=True, from_scratch=True,
+                 mode=mode, max_steps=4, seed=1)  # fmt: skip
+    trained, source = weights(tmp_path / "out"), weights(checkpoints["source"])
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert result.model.config.attnres_mode == mode and trained[name].shape == source[name].shape
+    # random (seed 1; the source was made with seed 0), not the source's: the init's std is 0.02
+    assert (trained[name] - source[name]).abs().max().item() > 0.05
+    losses = [record["loss"] for record in read_metrics(tmp_path / "out") if "loss" in record]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+    with pytest.raises(TrainingError, match="--from-scratch choose how --convert converts: add --convert"):
+        run(tmp_path / "other", checkpoints["source"], data_files["jsonl"], from_scratch=True)
+    with pytest.raises(ConversionError, match="--mode highway cannot start as the source computes"):
+        run(tmp_path / "other", checkpoints["source"], data_files["jsonl"], convert=True, mode="highway")
 
 
 def test_resume_with_nothing_to_resume_starts_a_new_run(checkpoints, data_files, tmp_path, caplog):

@@ -29,6 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..analysis import depth_weight_entropy, sublayer_names
 from ..cards import conversion_record, model_card, origin_record, read_origin, write_origin
+from ..configuration_attnres import ATTNRES_MODES
 from ..folders import (
     CHECKPOINTS_FOLDER,
     METRICS_FILE,
@@ -99,17 +100,18 @@ def start(config: TrainingConfig, accelerator: Accelerator) -> Run:
     with accelerator.main_process_first():  # the main process fills the datasets cache, the others read it
         train_sequences, held_out_sequences = build_datasets(config, tokenizer, accelerator.num_processes)
     model = load_model(config)
-    with_depth_weights = is_attnres(model)
+    # Block and Full AttnRes report their depth weights, a softmax over each sublayer's sources
+    with_depth_weights = is_attnres(model) and model.config.attnres_mode in ATTNRES_MODES
     if config.activation_checkpointing:
         model.activation_checkpointing_enable()
     if config.attnres_recompute:
         if not with_depth_weights:
             raise TrainingError(
-                f"--attnres-recompute applies to AttnRes models; {config.model} is a {model.config.model_type} "
-                "model: add --convert, or drop --attnres-recompute"
+                f"--attnres-recompute applies to Block and Full AttnRes models, whose depth mix it recomputes; "
+                f"{config.model} is not one: add --convert, or drop --attnres-recompute"
             )
         model.config.attnres_recompute = True
-    if with_depth_weights:
+    if is_attnres(model):
         allow_a_graph_per_layer(accelerator, model.config.num_hidden_layers)
     model = make_trainable(model, config)
     optimizer = make_optimizer(model, config)
