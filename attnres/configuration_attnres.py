@@ -136,7 +136,6 @@ REFUSED_FAMILIES = {
     **dict.fromkeys(("mamba", "mamba2"), "a state-space model without attention sublayers"),
     **dict.fromkeys(("t5", "bart", "mbart", "whisper"), ENCODER),
 }
-POST_NORM_FAMILIES = tuple(family for family, reason in REFUSED_FAMILIES.items() if reason == POST_NORM)
 
 
 @dataclass(frozen=True)
