@@ -452,8 +452,8 @@ def test_convert_under_zero3_asks_to_convert_first(checkpoints, data_files, tmp_
         ("lr", float("inf"), "--lr must be a positive number, got inf"),
         ("seed", -1, "--seed must be between 0 and 2\\*\\*32 - 1"),
         ("lora_r", 0, "--lora-r must be at least 1"),
-        ("block_size", 2, "--mode and --block-size choose how --convert converts"),
-        ("mode", "full", "--mode and --block-size choose how --convert converts"),
+        ("block_size", 2, "--mode, --block-size and --from-scratch choose how --convert converts"),
+        ("mode", "full", "--mode, --block-size and --from-scratch choose how --convert converts"),
     ],
 )
 def test_nonsense_numbers_are_refused_before_anything_loads(option, value, words):
