@@ -218,7 +218,19 @@ def output_lock(path: Path, error: type[Exception]) -> Iterator[None]:
     output is refused with `error`; a lock whose process is gone (killed) is taken over."""
     check_can_be_made(path, error)
     path = path.resolve()  # `.` and `out/` have a name too
-    lock = path.with_name(f".{path.name}.lock")
+    with lock_held(path.with_name(f".{path.name}.lock")) as owner:
+        if owner is not None:
+            raise error(
+                f"{path} is being written by another attnres process (pid {owner}); wait for it to finish, or "
+                "choose another output folder"
+            )
+        yield
+
+
+@contextmanager
+def lock_held(lock: Path) -> Iterator[int | None]:
+    """Take the lock file `lock` for this process: made atomically with the process id in it, removed at the end, and
+    taken over from a process that is gone (killed) -> None when taken, else the live process that holds it."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     while True:
         try:
@@ -227,15 +239,13 @@ def output_lock(path: Path, error: type[Exception]) -> Iterator[None]:
         except FileExistsError:
             owner = lock_owner(lock)
             if owner is not None:
-                raise error(
-                    f"{path} is being written by another attnres process (pid {owner}); wait for it to finish, or "
-                    "choose another output folder"
-                ) from None
+                yield owner
+                return
             lock.unlink(missing_ok=True)  # left by a process that is gone
     os.write(descriptor, str(os.getpid()).encode())
     os.close(descriptor)
     try:
-        yield
+        yield None
     finally:
         lock.unlink(missing_ok=True)
 

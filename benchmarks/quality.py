@@ -69,7 +69,7 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig, Llama
 import attnres
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.auto import is_attnres_parameter
-from attnres.folders import lock_owner, read_metrics, written_whole
+from attnres.folders import lock_held, read_metrics, written_whole
 from attnres.options import DEFAULT_SOURCE, TrainingConfig
 from attnres.sources import load_source_tokenizer
 from attnres.training import build_datasets, train
@@ -508,22 +508,8 @@ class Setting:
 @contextlib.contextmanager
 def claimed(setting: Setting, run_id: str) -> Iterator[bool]:
     """Claim `run_id` for this process with a lock file -> whether it is ours (False: another live process has it)."""
-    setting.work.mkdir(parents=True, exist_ok=True)
-    lock = setting.work / f"{run_id}.lock"
-    try:
-        descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        if lock_owner(lock) is not None:
-            yield False
-            return
-        lock.unlink(missing_ok=True)  # left by a process that is gone
-        descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    os.write(descriptor, str(os.getpid()).encode())
-    os.close(descriptor)
-    try:
-        yield True
-    finally:
-        lock.unlink(missing_ok=True)
+    with lock_held(setting.work / f"{run_id}.lock") as owner:
+        yield owner is None
 
 
 def result_path(setting: Setting, run: RunSpec) -> Path:
