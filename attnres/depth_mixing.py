@@ -331,6 +331,11 @@ class DepthRule:
     parts: tuple[str, ...] = ()
     mixes_sources = False  # whether reads weigh sources, the output aggregation's too (which then has a head)
 
+    @property
+    def output_parts(self) -> tuple[str, ...]:
+        """The parts of the output aggregation's head: only a rule that weighs sources weighs them there too."""
+        return self.parts if self.mixes_sources else ()
+
     def heads(self, config, sources: int) -> dict[str, nn.Module]:
         """The modules of one sublayer that mixes `sources` sources."""
         return {}

@@ -316,7 +316,7 @@ class AttnResModel(AttnResPreTrainedModel):
         )
         # The final aggregation over all blocks, before the final norm (paper §3.2, A1): `output_attn_res_<part>`
         self.rule = DEPTH_RULES[config.attnres_mode]
-        if self.rule.mixes_sources:
+        if self.rule.output_parts:
             for part, module in self.rule.heads(config, config.num_sources()[-1]).items():
                 self.add_module(f"output_attn_res_{part}", module)
         self.norm = family_class(family, "RMSNorm")(hidden_size, eps=text_config.rms_norm_eps)
@@ -397,8 +397,7 @@ class AttnResModel(AttnResPreTrainedModel):
             depth_weights += [attention_weights, mlp_weights]
 
         depth = DepthState(tuple(completed_blocks), completed_inv_rms, partial_sum)
-        output_parts = self.rule.parts if self.rule.mixes_sources else ()
-        output_head = tuple(getattr(self, f"output_attn_res_{part}") for part in output_parts)
+        output_head = tuple(getattr(self, f"output_attn_res_{part}") for part in self.rule.output_parts)
         hidden_states, output_depth_weight = self.rule.finish(
             depth, output_head, self.norm, depth_mix_flags(self.config)
         )
