@@ -45,6 +45,7 @@ from .options import (
 
 # Errors whose message says what to fix, by (module, class): a module has been imported by the time it raises one.
 USER_ERRORS = (
+    ("attnres.configuration_attnres", "AttnResConfigError"),
     ("attnres.sources", "ConversionError"),
     ("attnres.options", "TrainingError"),
     ("attnres.options", "OptionError"),

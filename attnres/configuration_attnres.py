@@ -176,6 +176,11 @@ IMPLEMENTATIONS = ("two_phase", "naive")
 DEFAULT_NUM_BLOCKS = 8
 
 
+class AttnResConfigError(ValueError):
+    """A config AttnRes cannot run with: a setting out of range, an unsupported source family, or a config.json whose
+    depth layout was edited away from the layout of the weights saved beside it."""
+
+
 def _refusal(text_config: PreTrainedConfig) -> str | None:
     """Why a source architecture cannot convert exactly, from its config alone; None where nothing says so."""
     model_type = text_config.model_type
@@ -199,14 +204,14 @@ def _check_family(text_config: PreTrainedConfig) -> None:
     supported = ", ".join(SUPPORTED_FAMILIES)
     reason = _refusal(text_config)
     if reason is not None:
-        raise ValueError(f"text_config: '{model_type}' is {reason}. Supported families: {supported}.")
+        raise AttnResConfigError(f"text_config: '{model_type}' is {reason}. Supported families: {supported}.")
     if model_type == "gemma3":
-        raise ValueError(
+        raise AttnResConfigError(
             "text_config: 'gemma3' is the multimodal Gemma3 config; pass its text part (`config.text_config`, "
             f"model_type 'gemma3_text'). Supported families: {supported}."
         )
     if model_type not in SUPPORTED_FAMILIES:
-        raise ValueError(
+        raise AttnResConfigError(
             f"text_config: unsupported family '{model_type}': no row of AttnRes's family table says how its decoder "
             f"layer runs, so its conversion could not be shown exact. Supported families: {supported}."
         )
@@ -253,6 +258,11 @@ class AttnResConfig(PreTrainedConfig):
             does not keep its output either, and recomputes the sublayer's input norm with it, so that a layer keeps
             what the source's layer keeps. Read at every forward, like `use_cache`: setting it on a loaded model's
             config takes effect.
+        attnres_saved_layout (`dict`, *optional*):
+            Written by `save_pretrained`, not set by hand: the depth layout (`depth_layout()`) of the weights saved
+            beside this config. Loading a config.json whose `attnres_mode` or `attnres_block_size` was edited away
+            from it is refused, since the same weights would then compute something else. Changing the layout from
+            Python (`from_pretrained(..., attnres_block_size=4)`) is not refused: that is a deliberate choice.
     """
 
     model_type = "attnres"
@@ -267,6 +277,7 @@ class AttnResConfig(PreTrainedConfig):
     attnres_scale_by_num_sources: bool = False
     attnres_scale_init: float | None = None
     attnres_recompute: bool = False
+    attnres_saved_layout: dict | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -276,24 +287,51 @@ class AttnResConfig(PreTrainedConfig):
         self.tie_word_embeddings = self.tie_word_embeddings or self.text_config.tie_word_embeddings
         num_layers = self.text_config.num_hidden_layers
         if self.attnres_mode not in MODES:
-            raise ValueError(f"attnres_mode: got {self.attnres_mode!r}, expected one of {MODES}.")
+            raise AttnResConfigError(f"attnres_mode: got {self.attnres_mode!r}, expected one of {MODES}.")
         if self.attnres_scale_init is not None and not math.isfinite(self.attnres_scale_init):
-            raise ValueError(f"attnres_scale_init: got {self.attnres_scale_init!r}, expected a finite float.")
+            raise AttnResConfigError(f"attnres_scale_init: got {self.attnres_scale_init!r}, expected a finite float.")
         if self.attnres_implementation not in IMPLEMENTATIONS:
-            raise ValueError(
+            raise AttnResConfigError(
                 f"attnres_implementation: got {self.attnres_implementation!r}, expected one of {IMPLEMENTATIONS}."
             )
         if self.attnres_block_size is None:
             self.attnres_block_size = math.ceil(num_layers / DEFAULT_NUM_BLOCKS)
         if not isinstance(self.attnres_block_size, int) or not 1 <= self.attnres_block_size <= num_layers:
-            raise ValueError(
+            raise AttnResConfigError(
                 f"attnres_block_size: got {self.attnres_block_size!r}, expected an integer number of decoder layers "
                 f"per block from 1 to num_hidden_layers={num_layers}."
             )
         if self.attnres_eps is None:
             self.attnres_eps = self.text_config.rms_norm_eps
         if not self.attnres_eps > 0:
-            raise ValueError(f"attnres_eps: got {self.attnres_eps!r}, expected a positive float.")
+            raise AttnResConfigError(f"attnres_eps: got {self.attnres_eps!r}, expected a positive float.")
+        self._check_saved_layout()
+
+    def depth_layout(self) -> dict:
+        """The settings that decide what trained weights compute: the rule, and for Block AttnRes its block size."""
+        layout = {"attnres_mode": self.attnres_mode}
+        if RESIDUAL_RULES[self.attnres_mode].sources == "blocks":
+            layout["attnres_block_size"] = self.attnres_block_size
+        return layout
+
+    def _check_saved_layout(self) -> None:
+        saved, layout = self.attnres_saved_layout, self.depth_layout()
+        self.attnres_saved_layout = None  # `to_dict` writes the layout the config has when it is saved
+        if saved is None or saved == layout:
+            return
+        # The rule first: under another rule the block size means nothing
+        key = next(key for key in ("attnres_mode", "attnres_block_size") if saved.get(key) != layout.get(key))
+        edited, made_with = f"{key}={layout[key]!r}", f"{key}={saved.get(key)!r}"
+        raise AttnResConfigError(
+            f"config.json says {edited}, but the weights saved with it were made with {made_with} "
+            "(its attnres_saved_layout), and would compute something else: put the saved value back, or, to run "
+            "these weights with another layout on purpose, pass it to from_pretrained (e.g. "
+            "`from_pretrained(folder, attnres_block_size=4)`) or convert the source again with it."
+        )
+
+    def to_dict(self) -> dict:
+        # The layout travels with every saved config, so that a later edit of config.json is caught at load.
+        return super().to_dict() | {"attnres_saved_layout": self.depth_layout()}
 
     def __getattr__(self, name: str):
         # Only reached for attributes this config lacks: read through to the source architecture's config.

@@ -6,6 +6,7 @@ import errno
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import SafetensorError
-from tiny import run_cli, tiny_source_model, tiny_tokenizer
+from tiny import attnres_twin, random_ids, run_cli, tiny_source_model, tiny_tokenizer
+from transformers import AutoModelForCausalLM
 
+from attnres.configuration_attnres import AttnResConfigError
 from attnres.data import first_non_text_byte
 from attnres.folders import InterruptedReplaceError, format_size, put_in_place
 
@@ -558,3 +561,44 @@ def test_utf8_across_the_check_chunks_is_text(tmp_path, monkeypatch):
     assert first_non_text_byte(tmp_path / "text.txt") is None
     (tmp_path / "text.txt").write_bytes("a€b€".encode() + b"\xff")
     assert first_non_text_byte(tmp_path / "text.txt") == (8, "0xff is no part of valid UTF-8")
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (
+            {"attnres_block_size": 1},
+            "says attnres_block_size=1, but the weights saved with it were made with attnres_block_size=2",
+        ),
+        (
+            {"attnres_mode": "rezero"},
+            "says attnres_mode='rezero', but the weights saved with it were made with attnres_mode='block'",
+        ),
+    ],
+    ids=["block-size", "rule"],
+)
+def test_a_config_edited_away_from_its_weights_is_refused_by_name(edit, named, tmp_path):
+    """Editing a trained folder's depth layout in config.json would make the same weights compute something else
+    (the block-size edit changes these logits by more than 0.1): loading refuses it, in Python and as one line from
+    the command line; the same change asked for from Python is a deliberate choice and loads."""
+    model = attnres_twin(tiny_source_model("llama", num_layers=4), seed=0, attnres_block_size=2)
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    config_file = tmp_path / "model" / "config.json"
+    saved = json.loads(config_file.read_text())
+    assert saved["attnres_saved_layout"] == {"attnres_mode": "block", "attnres_block_size": 2}
+    config_file.write_text(json.dumps(saved | edit))
+
+    with pytest.raises(AttnResConfigError, match=re.escape(named)):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    code, _, stderr = run_cli("analyze", tmp_path / "model", "--tokens", 8, "--output", tmp_path / "analysis")
+    assert code == 1 and named in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not (tmp_path / "analysis").exists()
+
+    config_file.write_text(json.dumps(saved))
+    ids = random_ids()
+    with torch.no_grad():
+        saved_logits = AutoModelForCausalLM.from_pretrained(tmp_path / "model")(ids).logits
+        chosen = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attnres_block_size=1)
+        assert chosen.config.attnres_block_size == 1
+        assert (chosen(ids).logits - saved_logits).abs().max() > 0.1
