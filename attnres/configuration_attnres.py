@@ -355,6 +355,24 @@ class AttnResConfig(PreTrainedConfig):
             return
         super().__setattr__(name, value)
 
+    # Tensor and expert parallelism shard the sublayers as the source's plans say (`from_pretrained(tp_plan="auto")`,
+    # vLLM's Transformers backend): the AttnRes model keeps the source's module names, the plans' row-wise layers
+    # all-reduce each sublayer's output before the depth mix reads it, and the depth-mix parameters, which no plan
+    # names, are replicated. The class-level plans of PreTrainedConfig would hide the source's from the read-through.
+    @property
+    def base_model_tp_plan(self) -> dict | None:
+        return self.text_config.base_model_tp_plan
+
+    @property
+    def base_model_ep_plan(self) -> dict | None:
+        return self.text_config.base_model_ep_plan
+
+    @property
+    def base_model_pp_plan(self) -> None:
+        """None: pipeline stages would hand on the whole depth state (the completed blocks and the partial sum), not
+        the one hidden state the source's plan names, so AttnRes models do not split into pipeline stages."""
+        return None
+
     def sublayer_starts_block(self, sublayer_index: int) -> bool:
         """Whether sublayer `sublayer_index` (0-based; attention = 2*layer, MLP = 2*layer + 1) opens a new block.
 

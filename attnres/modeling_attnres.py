@@ -414,6 +414,7 @@ class AttnResModel(AttnResPreTrainedModel):
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     _auto_class = "AutoModelForCausalLM"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # as every supported family's; the layers' plans: the config's
 
     def __init__(self, config: AttnResConfig):
         super().__init__(config)
