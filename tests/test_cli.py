@@ -150,37 +150,55 @@ def test_version(capsys):
     assert exit.value.code == 0 and capsys.readouterr().out == f"attnres {attnres.__version__}\n"
 
 
-README = Path(__file__).parents[1] / "README.md"
+ROOT = Path(__file__).parents[1]
+# Where the commands are documented: the README, and a page of docs/ for each command (docs/convert.md, ...)
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # `attnres COMMAND ...` (not `from attnres import`), or `-m attnres.training ...` (train), up to a comment or `&&`
-README_COMMAND = re.compile(
+DOCUMENTED_COMMAND = re.compile(
     r"(?:(?<![\w.-])(?<!from )attnres (?P<name>[a-z]+)|-m attnres\.training)(?P<rest>[^#&|;`]*)"
 )
+OPTION = re.compile(r"(?<![\w-])--[\w-]+")
 
 
-def readme_flags() -> dict[str, set[str]]:
-    """The options the README shows for each command, in its bash blocks and its inline code."""
-    text = README.read_text(encoding="utf-8")
-    blocks = [block.replace("\\\n", " ") for block in re.findall(r"```bash\n(.*?)```", text, re.S)]  # lines joined
-    commands = [line for block in blocks for line in block.splitlines()]
-    commands += [
-        span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
-    ]
+def documented_flags() -> dict[str, set[str]]:
+    """The options the README and docs/ show for each command, in their bash blocks and their inline code."""
     flags = {}
-    for command in commands:
-        for match in README_COMMAND.finditer(command):
-            flags.setdefault(match["name"] or "train", set()).update(re.findall(r"(?<![\w-])--[\w-]+", match["rest"]))
+    for page in DOC_PAGES:
+        text = page.read_text(encoding="utf-8")
+        blocks = [block.replace("\\\n", " ") for block in re.findall(r"```bash\n(.*?)```", text, re.S)]  # lines joined
+        commands = [line for block in blocks for line in block.splitlines()]
+        commands += [
+            span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+        ]
+        for command in commands:
+            for match in DOCUMENTED_COMMAND.finditer(command):
+                flags.setdefault(match["name"] or "train", set()).update(OPTION.findall(match["rest"]))
     return flags
 
 
-def test_every_option_the_readme_shows_exists():
+def test_every_option_the_docs_show_exists():
     parsers = subparsers()
-    shown = readme_flags()
-    assert set(shown) == set(parsers), "every command appears in the README, and no other"
+    shown = documented_flags()
+    assert set(shown) == set(parsers), "every command appears in the README or docs/, and no other"
     for name, flags in shown.items():
         unknown = flags - set(parsers[name]._option_string_actions)
         assert not unknown, (name, unknown)
-    demo_options = {option for action in parsers["demo"]._actions for option in action.option_strings}
-    assert demo_options - {"-h", "--help", "--debug"} <= shown["demo"], "the README lists every option of the demo"
+
+
+def test_every_option_of_a_command_is_on_its_page():
+    """docs/COMMAND.md names each option of COMMAND (in one of its spellings: train takes `--seq-len` and `--seq_len`);
+    `--debug`, which every command takes, is on docs/errors.md."""
+    for name, parser in subparsers().items():
+        page = ROOT / "docs" / f"{name}.md"
+        assert page.is_file(), f"`attnres {name}` has no page in docs/"
+        named = set(OPTION.findall(page.read_text(encoding="utf-8")))
+        missing = [
+            action.option_strings[-1]
+            for action in parser._actions
+            if action.option_strings and action.dest not in ("help", "debug") and not named & set(action.option_strings)
+        ]
+        assert not missing, f"docs/{name}.md does not name {missing}"
+    assert "--debug" in OPTION.findall((ROOT / "docs" / "errors.md").read_text(encoding="utf-8"))
 
 
 def test_unknown_options_are_refused():

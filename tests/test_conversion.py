@@ -4,6 +4,7 @@ GGUF), reload as remote code without the package, upload to the Hub, and fail cl
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -40,6 +41,7 @@ from attnres.sources import ConversionError, default_model_path, load_source, lo
 from attnres.verification import SAMPLE_TEXT, verify_conversion
 
 ATTNRES_COMMAND = str(Path(sys.executable).with_name("attnres"))  # the console script
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def save_checkpoint(model, folder: Path, checkpoint_format: str = "safetensors") -> Path:
@@ -356,6 +358,21 @@ def test_sources_are_named_by_model_not_by_path(tmp_path):
     write_gguf_metadata(tmp_path / "b.gguf", name="Tiny Llama", organization="someone")
     assert source_name(str(tmp_path), "a.gguf") == "someone/tiny-llama"
     assert source_name(str(tmp_path), "b.gguf") == "someone/Tiny Llama"
+
+
+def test_the_readme_python_example_runs(llama_checkpoint, tmp_path, monkeypatch, capsys):
+    """The README's Python example as written, on a tiny Llama folder in place of SmolLM2's Hub id: it converts,
+    verifies, reloads through the Auto classes and generates."""
+    example = re.search(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)[1]
+    hub_id = "HuggingFaceTB/SmolLM2-135M"
+    assert hub_id in example
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(example.replace(hub_id, str(llama_checkpoint)), namespace)
+    printed = capsys.readouterr().out
+    assert "verification passed" in printed and "64/64" in printed
+    assert type(namespace["model"]) is AttnResForCausalLM
+    assert printed.rstrip().splitlines()[-1].startswith("def fib(n):")
 
 
 # --------------------------------------------------------------------------------------------------------------------
