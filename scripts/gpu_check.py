@@ -17,7 +17,7 @@ still run, and the exit status is non-zero):
 - `fsdp2`, `zero3`: a few training steps of the float32 conversion with the shipped Accelerate configs (bf16), on 2
   GPUs when there are 2.
 - `vllm`: when `vllm` imports, greedy generation of the bf16 conversion through vLLM's Transformers backend against
-  `generate`.
+  `generate`, on one GPU and, when there are two, at tensor-parallel size 2.
 
 `--dry-run` runs the same stages on the CPU at toy sizes, in float32 (CPUs emulate bf16, slowly): a tiny random Llama
 with SmolLM2's tokenizer, 2 layers in the memory table, Block eager only in the overhead; the figures mean nothing, the
@@ -225,16 +225,24 @@ def stage_vllm(work: Path, dry_run: bool) -> list[tuple]:
         tokens = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, ids.shape[1] :]
         expected.append(tokens.tolist())
     del model
-    # The folder is ours, written above: its remote code is this package's modeling file, which vLLM's engine process
-    # (where `import attnres` did not run) loads to find the classes.
-    engine = LLM(model=folder, model_impl="transformers", dtype="bfloat16", trust_remote_code=True, enforce_eager=True)
-    outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=32, min_tokens=32))
-    agreeing = [
-        leading_agreement(torch.tensor(output.outputs[0].token_ids), torch.tensor(reference))
-        for output, reference in zip(outputs, expected, strict=True)
-    ]
-    return [("vLLM Transformers backend", "bf16, greedy 32 tokens", f"leading tokens equal to generate: {agreeing}",
-             "32 each (bf16 kernels may differ late)")]  # fmt: skip
+    rows = []
+    # Tensor-parallel size 2 where there are 2 GPUs: the engine shards by the source family's plan (AttnResConfig
+    # hands on base_model_tp_plan), and must generate what one GPU does
+    for tensor_parallel_size in (1, 2) if gpu_count(dry_run) >= 2 else (1,):
+        # The folder is ours, written above: its remote code is this package's modeling file, which vLLM's engine
+        # process (where `import attnres` did not run) loads to find the classes.
+        engine = LLM(model=folder, model_impl="transformers", dtype="bfloat16", trust_remote_code=True,
+                     enforce_eager=True, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+        outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=32, min_tokens=32))
+        agreeing = [
+            leading_agreement(torch.tensor(output.outputs[0].token_ids), torch.tensor(reference))
+            for output, reference in zip(outputs, expected, strict=True)
+        ]
+        setting = f"bf16, greedy 32 tokens, tensor parallel {tensor_parallel_size}"
+        figure = f"leading tokens equal to generate: {agreeing}"
+        rows.append(("vLLM Transformers backend", setting, figure, "32 each (bf16 kernels may differ late)"))
+        del engine
+    return rows
 
 
 def run_stage(name: str, work: Path, dry_run: bool) -> list[tuple]:
