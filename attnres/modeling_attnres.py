@@ -97,11 +97,10 @@ def declares_support(model_class: type[PreTrainedModel], backend: str) -> bool:
 def share_backends(config: AttnResConfig) -> None:
     """Hand the attention and experts backends that transformers chose for the model to the source config, which the
     source family's modules read: transformers writes its choice past the setter that would hand it on."""
-    text_config = config.text_config
-    present = all(hasattr(text_config, f"_{kind}_implementation_internal") for kind in ("attn", "experts"))
-    require_transformers(present, "PreTrainedConfig._attn_implementation_internal / _experts_implementation_internal")
-    text_config._attn_implementation_internal = config._attn_implementation
-    text_config._experts_implementation_internal = config._experts_implementation
+    text_config, backends = config.text_config, (config._attn_implementation, config._experts_implementation)
+    text_config._attn_implementation_internal, text_config._experts_implementation_internal = backends
+    shared = (text_config._attn_implementation, text_config._experts_implementation) == backends
+    require_transformers(shared, "PreTrainedConfig._attn_implementation_internal / _experts_implementation_internal")
 
 
 def init_weights_as_family(family_model_cls: type[PreTrainedModel], text_config, module: nn.Module) -> None:

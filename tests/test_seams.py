@@ -2,11 +2,11 @@
 seam block at the top of configuration_attnres.py and modeling_attnres.py, which travel alone as remote code.
 
 The scan reads the package's source and fails, naming file and line, where another library's private part is named
-anywhere else: a name with a leading underscore (an attribute, an import, a keyword argument, a method or class
-attribute that overrides one of a library's base classes) that the package does not define itself, and the few parts
-without one that a library keeps for itself (`INTERNAL_NAMES`, `INTERNAL_WRITES`). Then one test per seam checks that
-the installed release still has what the seam reaches for, so that a release that removes one fails here the day it
-is out."""
+anywhere else: a name with a leading underscore that the package does not define itself (an attribute, also by name
+in `getattr`; an import; a keyword argument; a method or class attribute that overrides one of a library's base
+classes), and the few parts without one that a library keeps for itself (`INTERNAL_NAMES`, `INTERNAL_WRITES`,
+`INTERNAL_ENVIRONMENT`). Then one test per seam checks that the installed release still has what the seam reaches for,
+so that a release that removes one fails here the day it is out."""
 
 import argparse
 import ast
@@ -46,6 +46,9 @@ INTERNAL_NAMES = {
 # ... and state they read that is theirs to set: read anywhere, assigned only in a seam
 INTERNAL_WRITES = {"HF_HUB_OFFLINE", "fsdp_plugin", "distributed_type", "recompile_limit", "hf_quantizer"}
 INTERNAL_ENVIRONMENT = {"ACCELERATE_USE_CPU"}  # set by `accelerate launch --cpu`, for the Accelerator to read
+
+
+ATTRIBUTE_BUILTINS = {"getattr", "hasattr", "setattr", "delattr"}
 
 
 def is_private(name: str) -> bool:
@@ -127,6 +130,10 @@ def private_reaches(tree: ast.Module, own: set[str], overridden: set[str], hooks
             if any(is_private(part) for module in modules for part in module.split(".")):
                 reaches.append((node.lineno, f"import of {', '.join(modules)}"))
             reaches += [(node.lineno, f"import of {name}") for name in names if foreign(name) or name in INTERNAL_NAMES]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ATTRIBUTE_BUILTINS and len(node.args) > 1:
+            name = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
+            if isinstance(name, str) and foreign(name):
+                reaches.append((node.lineno, f"{node.func.id}(..., {name!r})"))
         elif isinstance(node, ast.keyword) and node.arg is not None and foreign(node.arg):
             reaches.append((node.lineno, f"{node.arg}="))
         elif isinstance(node, ast.Constant) and node.value in INTERNAL_NAMES:
@@ -176,7 +183,7 @@ def _helper():
     os.environ["ACCELERATE_USE_CPU"] = "false"
     state.fsdp_plugin = plugin
     cached_file(path, _raise_exceptions_for_missing_entries=False)
-    return getattr(parameter, "ds_shape", None), state.fsdp_plugin
+    return getattr(parameter, "ds_shape", None), state.fsdp_plugin, hasattr(model, "_hf_peft_config_loaded")
 """
     assert scan(source) == [
         "import of torch._dynamo",
@@ -187,6 +194,7 @@ def _helper():
         "['ACCELERATE_USE_CPU'] =",
         ".fsdp_plugin",
         "_raise_exceptions_for_missing_entries=",
+        "hasattr(..., '_hf_peft_config_loaded')",
         "'ds_shape'",
     ]
     assert (
