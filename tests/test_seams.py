@@ -12,6 +12,7 @@ import argparse
 import ast
 import importlib
 import inspect
+import os
 import re
 from pathlib import Path
 
@@ -273,12 +274,16 @@ def test_peft_seam():
     assert targets == {"q_proj", "v_proj"}
 
 
-def test_accelerate_seam():
-    accelerate = pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState
+def test_accelerate_seam(monkeypatch):
+    """The state attributes `hand_fsdp_to_state` sets (tests/test_distributed.py runs FSDP2 on them), and the variable
+    that `leave_device_to_deepspeed` sets, which the Accelerator reads."""
+    state = pytest.importorskip("accelerate.state")
+    from attnres.compat.accelerate_private import leave_device_to_deepspeed
 
-    assert {"fsdp_plugin", "distributed_type"} <= set(AcceleratorState._known_attrs)
-    assert '"ACCELERATE_USE_CPU"' in inspect.getsource(accelerate.state)  # the variable the Accelerator reads
+    assert {"fsdp_plugin", "distributed_type"} <= set(state.AcceleratorState._known_attrs)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    leave_device_to_deepspeed()
+    assert os.environ["ACCELERATE_USE_CPU"] == "false"
 
 
 def test_torch_seam():

@@ -1,6 +1,7 @@
 """The package's reaches into Accelerate's private parts: its process state, which has no public way to run FSDP on
 CPU processes, and the variable through which `accelerate launch --cpu` tells the Accelerator to use the CPU."""
 
+import inspect
 import os
 
 import accelerate
@@ -25,4 +26,6 @@ def hand_fsdp_to_state(accelerator: Accelerator, plugin: FullyShardedDataParalle
 
 def leave_device_to_deepspeed() -> None:
     """Tell the Accelerator made next not to place this process on the CPU itself (DeepSpeed's CPU accelerator does)."""
+    read = '"ACCELERATE_USE_CPU"' in inspect.getsource(AcceleratorState)
+    require(read, accelerate, "AcceleratorState that reads the ACCELERATE_USE_CPU variable")
     os.environ["ACCELERATE_USE_CPU"] = "false"
