@@ -34,9 +34,9 @@ ATTNRES_MODULES = sorted(
 
 # PEFT chooses LoRA's default target modules by model_type; AttnRes keeps the source family's projection names.
 if importlib.util.find_spec("peft") is not None:
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    from .compat.peft_private import register_lora_targets
 
-    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.setdefault("attnres", ["q_proj", "v_proj"])
+    register_lora_targets("attnres", ["q_proj", "v_proj"])
 
 
 def is_attnres_parameter(name: str) -> bool:

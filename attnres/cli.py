@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
+from .compat.argparse_private import DefaultsHelpFormatter
 from .folders import is_disk_full
 from .options import (
     ANALYSIS_TOKENS,
@@ -54,6 +55,7 @@ USER_ERRORS = (
     ("attnres.hub", "HubUploadError"),
     ("attnres.analysis", "AnalysisError"),
     ("attnres.folders", "InterruptedReplaceError"),
+    ("attnres.compat", "PrivatePartMissing"),
 )
 # The user's files and disks: a path that does not exist or cannot be read or written, a read-only disk (and a full
 # one: `is_disk_full`, which also knows the errors of writers that drop errno)
@@ -353,15 +355,6 @@ def build_parser() -> argparse.ArgumentParser:
         subparser = subparsers.add_parser(name, help=command.summary, description=command.description, parents=[common])
         command.add_arguments(subparser)
     return parser
-
-
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Ends an option's help with its default, unless it has none or the help already says what it is."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, [], argparse.SUPPRESS) or "default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def train_parser() -> argparse.ArgumentParser:

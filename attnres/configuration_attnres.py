@@ -15,9 +15,15 @@ from dataclasses import dataclass
 import transformers
 from packaging.version import Version
 
-# This file, modeling_attnres.py and depth_mixing.py travel with saved models, to whatever transformers a Hub user
-# has: stop at import, naming the fix, where they cannot run: before 5.20 transformers has no `SubConfigSpec`, which
-# this config is built on. From it on, saved models generate the same tokens as on the newest
+# --------------------------------------------------------------------------------------------------------------------
+# Seam: transformers' private parts. This file, modeling_attnres.py and depth_mixing.py travel without the attnres
+# package (whose seams are attnres/compat/), to whatever transformers a Hub user has; what they take of transformers
+# that transformers keeps for itself is in this block and the one at the top of modeling_attnres.py, each part checked,
+# so that a release without it stops with the version needed (tests/test_seams.py holds the files to that).
+# --------------------------------------------------------------------------------------------------------------------
+
+# Stop at import, naming the fix, where these files cannot run: before 5.20 transformers has no `SubConfigSpec`,
+# which this config is built on. From it on, saved models generate the same tokens as on the newest
 # (tests/test_remote_code_versions.py).
 OLDEST_TRANSFORMERS = "5.20.0"
 if Version(transformers.__version__) < Version(OLDEST_TRANSFORMERS):
@@ -26,8 +32,26 @@ if Version(transformers.__version__) < Version(OLDEST_TRANSFORMERS):
         f'pip install -U "transformers>={OLDEST_TRANSFORMERS}"'
     )
 
-from transformers import AutoConfig, PreTrainedConfig  # noqa: E402
-from transformers.configuration_utils import SubConfigSpec  # noqa: E402
+
+def require_transformers(present: bool, what: str) -> None:
+    """Stop, naming the releases to install, where the installed transformers lacks a private part of these files."""
+    if not present:
+        raise ImportError(
+            f"transformers {transformers.__version__} has no {what}, which AttnRes models rely on: "
+            f'pip install "transformers>={OLDEST_TRANSFORMERS},<{transformers.__version__}"'
+        )
+
+
+# Imported once the version is known to be one these files run on
+from transformers import AutoConfig, PreTrainedConfig, configuration_utils  # noqa: E402
+
+# How a config declares a nested config of its own (`text_config`): transformers does not export it
+require_transformers(hasattr(configuration_utils, "SubConfigSpec"), "configuration_utils.SubConfigSpec")
+SubConfigSpec = configuration_utils.SubConfigSpec
+
+# --------------------------------------------------------------------------------------------------------------------
+# The family table
+# --------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -266,7 +290,6 @@ class AttnResConfig(PreTrainedConfig):
     """
 
     model_type = "attnres"
-    _auto_class = "AutoConfig"  # save_pretrained copies this file next to the weights
     sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
 
     text_config: dict | PreTrainedConfig | None = None
@@ -396,5 +419,7 @@ class AttnResConfig(PreTrainedConfig):
             has_partial = True
         return counts + [completed + 1]
 
+
+AttnResConfig.register_for_auto_class()  # save_pretrained copies this file next to the weights
 
 __all__ = ["AttnResConfig", "FAMILIES", "RESIDUAL_RULES", "SUPPORTED_FAMILIES"]

@@ -60,7 +60,7 @@ def folder_with_readme(folder: Path, readme: str | None) -> Iterator[Path]:
 def check_can_upload(repo_id: str) -> None:
     """Refuse an upload to `repo_id` before any work (a conversion, a run, a card) when it cannot succeed: in offline
     mode, without a token (huggingface_hub's lookup: HF_TOKEN or the saved login), or with the Hub out of reach."""
-    if hub_constants.HF_HUB_OFFLINE:
+    if hub_constants.is_offline_mode():
         raise HubUploadError(
             f"uploading to {repo_id} needs the network, which offline mode (--offline or HF_HUB_OFFLINE=1) forbids: "
             "turn it off, or leave out the upload"

@@ -31,10 +31,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_attnres import FAMILIES, AttnResConfig, Family
+from .configuration_attnres import FAMILIES, AttnResConfig, Family, require_transformers
 from .depth_mixing import (
     DEPTH_RULES,
     AttnResKeyNorm,
@@ -61,6 +59,58 @@ except ImportError:  # before 5.21 each model slices itself, for an int or a 1D 
 
     def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         return hidden_states[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Seam: transformers' private parts, the rest of those these files take (configuration_attnres.py says why here).
+# Below this block the file names only the hooks of MODEL_HOOKS, in its classes.
+# --------------------------------------------------------------------------------------------------------------------
+
+# What transformers' own models decorate their forwards with and record outputs by: it does not export them
+from transformers.utils.generic import merge_with_config_defaults  # noqa: E402
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs  # noqa: E402
+
+# The class attributes and methods through which a model tells transformers what it supports and how its weights
+# start: private by name, and transformers' only way. The classes below define these, and no other private name.
+MODEL_HOOKS = (
+    "_no_split_modules",
+    "_supports_flash_attn",
+    "_supports_sdpa",
+    "_supports_flex_attn",
+    "_supports_attention_backend",
+    "_can_compile_fullgraph",
+    "_can_record_outputs",
+    "_tied_weights_keys",
+    "_sdpa_can_dispatch",
+    "_flex_attn_can_dispatch",
+    "_init_weights",
+)
+
+
+def declares_support(model_class: type[PreTrainedModel], backend: str) -> bool:
+    """Whether a transformers model class declares that it runs attention backend `backend` ("sdpa", "flex_attn")."""
+    hook = f"_supports_{backend}"
+    require_transformers(hasattr(model_class, hook), f"PreTrainedModel.{hook}")
+    return getattr(model_class, hook)
+
+
+def share_backends(config: AttnResConfig) -> None:
+    """Hand the attention and experts backends that transformers chose for the model to the source config, which the
+    source family's modules read: transformers writes its choice past the setter that would hand it on."""
+    text_config, backends = config.text_config, (config._attn_implementation, config._experts_implementation)
+    text_config._attn_implementation_internal, text_config._experts_implementation_internal = backends
+    shared = (text_config._attn_implementation, text_config._experts_implementation) == backends
+    require_transformers(shared, "PreTrainedConfig._attn_implementation_internal / _experts_implementation_internal")
+
+
+def init_weights_as_family(family_model_cls: type[PreTrainedModel], text_config, module: nn.Module) -> None:
+    """Initialise `module` by the source family's own rules (MoE experts, Gemma3's (1 + w) norms and per-type RoPE):
+    its PreTrainedModel's `_init_weights`, run by an instance of it that carries nothing but the source config."""
+    require_transformers(hasattr(family_model_cls, "_init_weights"), "PreTrainedModel._init_weights")
+    family_initializer = family_model_cls.__new__(family_model_cls)
+    family_initializer.__dict__["config"] = text_config
+    family_model_cls._init_weights(family_initializer, module)
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # Source families: the table lives in the configuration (data only); here, what it names.
@@ -252,16 +302,14 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config: AttnResConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
-        # The source family's modules read their own (text) config: keep its attention and experts backends in step.
-        config.text_config._attn_implementation_internal = config._attn_implementation
-        config.text_config._experts_implementation_internal = config._experts_implementation
+        share_backends(config)  # the source family's modules read their own (text) config
 
     def _sdpa_can_dispatch(self, is_init_check: bool = False) -> bool:
         # The source family's attention decides: Gemma2's softcapping and GPT-OSS's sinks have no sdpa path, so those
         # models fall back to eager (as their own models do) or refuse an explicit request.
         family = family_of(self.config)
         family_model_cls = family_class(family, "PreTrainedModel")
-        if not (family.supports_sdpa and family_model_cls._supports_sdpa):
+        if not (family.supports_sdpa and declares_support(family_model_cls, "sdpa")):
             raise ValueError(
                 f"{family_model_cls.__name__} (the source family of this AttnRes model) does not support sdpa "
                 "attention; use attn_implementation='eager'."
@@ -270,7 +318,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
     def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
         family_model_cls = family_class(family_of(self.config), "PreTrainedModel")
-        if not family_model_cls._supports_flex_attn:
+        if not declares_support(family_model_cls, "flex_attn"):
             raise ValueError(f"{family_model_cls.__name__} does not support flex attention; use 'eager'.")
         return super()._flex_attn_can_dispatch(is_init_check)
 
@@ -285,12 +333,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
             init.zeros_(module.weight)
             init.constant_(module.bias, HighwayGate.INITIAL_BIAS)
         else:
-            # The source family's own rules (MoE experts, Gemma3's (1 + w) norms and per-type RoPE), applied by an
-            # instance of its PreTrainedModel that carries nothing but the source config.
             family_model_cls = family_class(family_of(self.config), "PreTrainedModel")
-            family_initializer = family_model_cls.__new__(family_model_cls)
-            family_initializer.__dict__["config"] = self.config.text_config
-            family_model_cls._init_weights(family_initializer, module)
+            init_weights_as_family(family_model_cls, self.config.text_config, module)
 
     def save_pretrained(self, *args, **kwargs):
         # transformers writes only the saved class's own auto_map entry; loading with AutoModel needs all three.
@@ -299,8 +343,6 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
 
 class AttnResModel(AttnResPreTrainedModel):
-    _auto_class = "AutoModel"
-
     def __init__(self, config: AttnResConfig):
         super().__init__(config)
         text_config, family = config.text_config, family_of(config)
@@ -412,7 +454,6 @@ class AttnResModel(AttnResPreTrainedModel):
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
-    _auto_class = "AutoModelForCausalLM"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}  # as every supported family's; the layers' plans: the config's
 
@@ -485,5 +526,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             depth_weights=outputs.depth_weights,
         )
 
+
+# save_pretrained copies this file next to the weights, and config.json maps the Auto classes to these
+AttnResModel.register_for_auto_class("AutoModel")
+AttnResForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = ["AttnResPreTrainedModel", "AttnResModel", "AttnResForCausalLM"]

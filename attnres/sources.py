@@ -28,6 +28,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
 from transformers import (
+    CONFIG_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -35,10 +36,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.utils import CONFIG_NAME, cached_file
+from transformers.utils import CONFIG_NAME
 
 from . import auto  # noqa: F401  (registers model_type "attnres", so that AttnRes folders load as sources too)
+from .compat.hub_private import set_hub_offline
+from .compat.transformers_private import saved_config_file
 from .options import DEFAULT_SOURCE
 
 GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
@@ -184,13 +186,13 @@ def offline_mode(offline: bool = True) -> Iterator[None]:
         yield
         return
     saved_environment = {name: os.environ.get(name) for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
-    saved_mode = hub_constants.HF_HUB_OFFLINE
+    saved_mode = hub_constants.is_offline_mode()
     os.environ.update(dict.fromkeys(saved_environment, "1"))
-    hub_constants.HF_HUB_OFFLINE = True
+    set_hub_offline(True)
     try:
         yield
     finally:
-        hub_constants.HF_HUB_OFFLINE = saved_mode
+        set_hub_offline(saved_mode)
         for name, value in saved_environment.items():
             if value is None:
                 del os.environ[name]
@@ -217,7 +219,7 @@ def saved_config(source: str | os.PathLike, gguf_file: str | None = None) -> dic
     file or a PEFT adapter, which have none."""
     if gguf_file is not None:
         return None
-    config_file = cached_file(str(source), CONFIG_NAME, _raise_exceptions_for_missing_entries=False)
+    config_file = saved_config_file(source)
     if config_file is None:
         return None
     try:
@@ -301,8 +303,7 @@ def load_source(
     except SafetensorError as error:  # a truncated, empty or corrupt weights file
         raise ConversionError(f"{source}: its safetensors weights do not load ({error}); the file is damaged") from None
     if gguf_file is not None:
-        model.hf_quantizer = None
-        del model.config.quantization_config
+        model.hf_quantizer.remove_quantization_config(model)
     return model
 
 

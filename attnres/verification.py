@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from .compat.transformers_private import attention_implementation
 from .modeling_attnres import AttnResForCausalLM
 
 # The exactness contract, checked in float32. The converted model's logits may differ from the source's by at most
@@ -183,13 +184,13 @@ def _attention_noise(model: PreTrainedModel, input_ids: torch.Tensor, run: _Run)
     runs in a second implementation (eager for sdpa and the rest, sdpa for eager). A model with only one that runs
     here (Gemma2's softcapping and GPT-OSS's sinks have no sdpa) is measured against itself in float64 instead: its
     own float32 rounding, on a float64 copy of the weights (twice their memory, while it runs)."""
-    current = model.config._attn_implementation
+    current = attention_implementation(model)
     other = "sdpa" if current == "eager" else "eager"
     try:
         model.set_attn_implementation(other)
     except (ValueError, ImportError):
         reference = copy.deepcopy(model).to(torch.float64)
-        if reference.config._experts_implementation not in (None, "eager"):
+        if reference.get_experts_implementation()[""] not in (None, "eager"):
             reference.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
         logits = reference(input_ids=input_ids).logits[0]
         del reference

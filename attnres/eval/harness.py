@@ -15,22 +15,20 @@ import gc
 import json
 import logging
 import os
-import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import lm_eval.evaluator
 import torch
 from lm_eval import simple_evaluate
-from lm_eval.loggers.utils import get_commit_from_path
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
 from safetensors import SafetensorError
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..compat.lm_eval_private import quiet_git_probe
 from ..folders import check_output_dir, output_lock, replace_fix, written_whole
 from ..options import DEFAULT_SOURCE, DEFAULT_TASKS, EVAL_COLUMNS, EVAL_DTYPES, FIXTURES, TASK_ALIASES, parameters_from
 from ..sources import (
@@ -341,35 +339,12 @@ def model_object_accepted() -> Iterator[None]:
         hflm_logger.removeFilter(warning_filter)
 
 
-@contextmanager
-def quiet_git_probe() -> Iterator[None]:
-    """lm-eval records the git commit of the current folder with `git describe`, whose "fatal: not a git repository"
-    outside a repository says nothing about the evaluation: run that probe with git's stderr discarded, unless the
-    package logs at DEBUG (`attnres --debug`)."""
-    if logger.isEnabledFor(logging.DEBUG):
-        yield
-        return
-    probe = lm_eval.evaluator.get_git_commit_hash
-    lm_eval.evaluator.get_git_commit_hash = quiet_git_commit_hash
-    try:
-        yield
-    finally:
-        lm_eval.evaluator.get_git_commit_hash = probe
-
-
-def quiet_git_commit_hash() -> str | None:
-    """lm-eval's `get_git_commit_hash`, with git's stderr discarded."""
-    try:
-        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL, text=True).strip()
-    except (subprocess.CalledProcessError, FileNotFoundError):  # no repository here, or no git
-        return get_commit_from_path(os.getcwd())
-
-
 def run_lm_eval(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: RunSettings) -> dict:
     with model_object_accepted():
         # backend="causal": AttnRes's model type is not one lm-eval knows as causal, and every model here is one
         lm = HFLM(pretrained=model, backend="causal", tokenizer=tokenizer, batch_size=settings.batch_size)
-    with quiet_git_probe():
+    # git's "not a git repository" outside one says nothing about the evaluation; `attnres --debug` shows it
+    with nullcontext() if logger.isEnabledFor(logging.DEBUG) else quiet_git_probe():
         return simple_evaluate(
             model=lm,
             tasks=settings.names,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
+from torch import nn
 
 from ..folders import (
     CHECKPOINTS_FOLDER,
@@ -76,13 +77,15 @@ class Checkpoints:
                 self.accelerator.wait_for_everyone()
         return None
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+        """`save_state` into `step-N`, after checking the disk has room for `model`'s and `optimizer`'s state (the
+        prepared ones, which `save_state` writes)."""
         accelerator, checkpoint = self.accelerator, self.folder / f"step-{step}"
         staging = staging_path(checkpoint)
         if accelerator.is_main_process:
             remove(staging)  # left over from a save that was interrupted
         accelerator.wait_for_everyone()
-        with disk_space_for(checkpoint, state_bytes(accelerator), TrainingError, RESUME_FIX):
+        with disk_space_for(checkpoint, state_bytes(model, optimizer), TrainingError, RESUME_FIX):
             try:
                 accelerator.save_state(staging)
             except BaseException:
@@ -110,18 +113,12 @@ class Checkpoints:
         return moved
 
 
-def state_bytes(accelerator: Accelerator) -> int:
-    """About what `save_state` writes: the weights of the prepared models and the optimizers' state. This process's
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """About what `save_state` writes: the weights of the prepared model and the optimizer's state. This process's
     part only (local shards under FSDP), read without any collective: the other processes may not be here."""
-    weights = itertools.chain.from_iterable(
-        itertools.chain(model.parameters(), model.buffers()) for model in accelerator._models
-    )
+    weights = itertools.chain(model.parameters(), model.buffers())
     optimizer_state = (
-        value
-        for optimizer in accelerator._optimizers
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
+        value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)
     )
     return tensor_bytes(itertools.chain(weights, optimizer_state))
 

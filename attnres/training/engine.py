@@ -2,8 +2,8 @@
 `TrainingError` that says why it cannot run, set up on CPU processes too, where Accelerate would fall back to DDP;
 how the prepared model is spread; and, for export, the model as it was before FSDP2 sharded it.
 
-This is where the package reaches into Accelerate's internals (it sets its state's FSDP plugin and distributed type,
-which Accelerate has no public way to set on CPU processes); tests/test_distributed.py pins what that rests on.
+Accelerate has no public way to run FSDP or DeepSpeed on CPU processes: what this sets of its internals is in
+compat/accelerate_private.py, and tests/test_distributed.py pins what that rests on.
 """
 
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -29,6 +29,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from ..compat.accelerate_private import hand_fsdp_to_state, leave_device_to_deepspeed
+from ..compat.deepspeed_private import zero3_share
+from ..compat.torch_private import raise_recompile_limit
 from ..options import TrainingConfig, TrainingError
 
 
@@ -77,7 +80,7 @@ def make_accelerator(config: TrainingConfig) -> Accelerator:
     placement: dict[str, Any] = {}
     if not torch.accelerator.is_available():
         if engine is DistributedType.DEEPSPEED and "LOCAL_RANK" in os.environ:  # started by a launcher
-            os.environ["ACCELERATE_USE_CPU"] = "false"  # read by the Accelerator below: leave the device to DeepSpeed
+            leave_device_to_deepspeed()
             placement["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
         else:
             placement["cpu"] = True  # launched processes train together over gloo, without ACCELERATE_USE_CPU=1
@@ -129,9 +132,7 @@ def shard_with_fsdp2(accelerator: Accelerator) -> None:
         raise TrainingError("on CPU processes attnres train shards with FSDP2 only: set fsdp_version: 2")
     if accelerator.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.mixed_precision)
-    accelerator.state.fsdp_plugin = plugin
-    # Both states, as Accelerate's own set-up does: an AcceleratorState made later copies the PartialState's type.
-    accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+    hand_fsdp_to_state(accelerator, plugin)
 
 
 def allow_a_graph_per_layer(accelerator: Accelerator, num_layers: int) -> None:
@@ -143,8 +144,7 @@ def allow_a_graph_per_layer(accelerator: Accelerator, num_layers: int) -> None:
     whole makes one graph and needs nothing.
     """
     if accelerator.state.dynamo_plugin.use_regional_compilation:
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, 2 * num_layers + 8)
+        raise_recompile_limit(2 * num_layers + 8)
 
 
 def keep_depth_state_precise(plugin: FullyShardedDataParallelPlugin) -> None:
@@ -166,6 +166,7 @@ def keep_depth_state_precise(plugin: FullyShardedDataParallelPlugin) -> None:
 def distribution(accelerator: Accelerator, model: nn.Module) -> dict[str, Any]:
     """How the prepared model is actually spread: engine, processes, device, and the share of the weights held here."""
     kind = accelerator.distributed_type
+    zero3 = kind is DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
     if kind is DistributedType.FSDP:
         engine = f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}"
     elif kind is DistributedType.DEEPSPEED:
@@ -176,9 +177,9 @@ def distribution(accelerator: Accelerator, model: nn.Module) -> dict[str, Any]:
     for parameter in model.parameters():
         if isinstance(parameter, DTensor):  # FSDP2: this process's shard
             held, whole = held + parameter.to_local().numel(), whole + parameter.numel()
-        elif hasattr(parameter, "ds_numel"):  # DeepSpeed ZeRO-3: this process's partition, or all of a persistent one
-            held += parameter.ds_numel if parameter.ds_persist else parameter.ds_tensor.numel()
-            whole += parameter.ds_numel
+        elif zero3:  # this process's partition, or all of a small ("persistent") parameter
+            held_here, in_all = zero3_share(parameter)
+            held, whole = held + held_here, whole + in_all
         else:
             held, whole = held + parameter.numel(), whole + parameter.numel()
     return {

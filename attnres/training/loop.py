@@ -280,7 +280,7 @@ def run_steps(run: Run, checkpoints: Checkpoints, metrics_log: MetricsLog) -> tu
                 metrics_log.write(progress.step, record)
                 latest |= record
             if progress.step % config.save_every == 0 or interrupted:
-                checkpoint = checkpoints.save(progress.step)
+                checkpoint = checkpoints.save(progress.step, run.model, run.optimizer)
                 logger.info(f"Saved {checkpoint}")
     stopped_by = None
     if interrupted:  # a signal may have reached another process only

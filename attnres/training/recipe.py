@@ -10,6 +10,7 @@ from transformers import PreTrainedModel, get_scheduler
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..auto import ATTNRES_MODULES, is_attnres_parameter
+from ..compat.deepspeed_private import full_shape
 from ..conversion import attnres_config_for, convert_to_attnres
 from ..modeling_attnres import AttnResForCausalLM
 from ..options import DEFAULT_SOURCE, SCHEDULERS, TrainingConfig, TrainingError
@@ -73,8 +74,7 @@ def make_optimizer(model: nn.Module, config: TrainingConfig) -> torch.optim.Adam
     groups = {"weights": [], "vectors": [], "attnres": []}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            # A parameter that DeepSpeed ZeRO-3 partitioned as it loaded holds an empty tensor; `ds_shape` is its shape
-            matrix = len(getattr(parameter, "ds_shape", parameter.shape)) >= 2
+            matrix = len(full_shape(parameter)) >= 2
             group = "attnres" if is_attnres_parameter(name) else "weights" if matrix else "vectors"
             groups[group].append(parameter)
     settings = group_settings(config)
