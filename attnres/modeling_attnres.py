@@ -81,6 +81,7 @@ MODEL_HOOKS = (
     "_can_compile_fullgraph",
     "_can_record_outputs",
     "_tied_weights_keys",
+    "_tp_plan",
     "_sdpa_can_dispatch",
     "_flex_attn_can_dispatch",
     "_init_weights",
