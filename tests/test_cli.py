@@ -2,6 +2,7 @@
 arguments checked before anything loads (wrong folders, an unreachable Hub, offline), and the error policy."""
 
 import argparse
+import configparser
 import inspect
 import json
 import os
@@ -17,10 +18,12 @@ from huggingface_hub import constants as hub_constants
 from tiny import run_cli
 
 import attnres
-from attnres import cli, conversion, demo, options, sources
+from attnres import conversion, demo, sources
 from attnres.eval import harness
-from attnres.options import TrainingConfig
-from attnres.sources import ConversionError
+from attnres.sources import SourceError
+from attnres_cli import command as cli
+from attnres_cli import options
+from attnres_cli.options import TrainingConfig
 
 HEAVY_MODULES = ("torch", "transformers", "lm_eval", "accelerate", "datasets", "peft", "matplotlib")
 
@@ -48,27 +51,32 @@ def nothing_loads(monkeypatch):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-# The first lines of the `attnres` console script's process: `import attnres` registers the model classes (torch,
-# transformers) in any other process, and leaves that to the command that runs in this one
-AS_THE_CONSOLE_SCRIPT = f"""
-import sys
-sys.argv[0] = {str(Path(sys.executable).with_name(attnres.COMMAND))!r}
-"""
+SETUP_CFG = Path(__file__).parents[1] / "setup.cfg"
+
+
+def console_script() -> str:
+    """The lines a fresh Python runs to be the `attnres` console script that setup.cfg declares, up to its `main`."""
+    setup = configparser.ConfigParser()
+    setup.read(SETUP_CFG)
+    entry_points = dict(
+        line.split(" = ") for line in setup["options.entry_points"]["console_scripts"].split("\n") if line
+    )
+    module, function = entry_points["attnres"].split(":")
+    return f"import sys\nsys.argv[0] = 'attnres'\nfrom {module} import {function} as main\n"
 
 
 def test_help_of_every_command_imports_nothing_heavy():
     """`attnres --help` and `attnres <command> --help` (but `train`, whose options are TrainingConfig's) in a fresh
-    Python started as the `attnres` command: no torch, transformers or lm-eval, so they answer in a fraction of a
-    second."""
+    Python started as the `attnres` console script: no torch, transformers or lm-eval, so they answer in a fraction
+    of a second."""
     commands = [[], *([name] for name in cli.COMMANDS if name != "train")]
-    script = f"""{AS_THE_CONSOLE_SCRIPT}
+    script = f"""{console_script()}
 from contextlib import redirect_stdout
 from io import StringIO
-from attnres import cli
 for argv in {commands!r}:
     try:
         with redirect_stdout(StringIO()):
-            cli.main([*argv, "--help"])
+            main([*argv, "--help"])
     except SystemExit as exit:
         assert exit.code == 0, argv
 print(sorted(name for name in {HEAVY_MODULES!r} if name in sys.modules))
@@ -82,13 +90,12 @@ def test_train_help_imports_only_the_argument_parser():
     """`attnres train --help` builds its options from TrainingConfig with transformers' HfArgumentParser: that much of
     transformers, and none of torch, Accelerate, PEFT, datasets or lm-eval (which took it to 14-29 s)."""
     heavy = tuple(name for name in HEAVY_MODULES if name != "transformers")
-    script = f"""{AS_THE_CONSOLE_SCRIPT}
+    script = f"""{console_script()}
 from contextlib import redirect_stdout
 from io import StringIO
-from attnres import cli
 try:
     with redirect_stdout(StringIO()) as help_text:
-        cli.main(["train", "--help"])
+        main(["train", "--help"])
 except SystemExit as exit:
     assert exit.code == 0
 assert "--attnres-lr" in help_text.getvalue()
@@ -97,6 +104,20 @@ print(sorted(name for name in {heavy!r} if name in sys.modules))
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr
     assert child.stdout.strip() == "[]"
+
+
+def test_import_attnres_registers_the_classes_whatever_the_program_is_called():
+    """A host process whose program is named `attnres` (as the console script's is) gets the Auto classes too."""
+    script = """
+import sys
+sys.argv[0] = "/usr/local/bin/attnres"
+import attnres
+from transformers import AutoConfig
+print(type(AutoConfig.for_model("attnres")).__name__)
+"""
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.strip() == "AttnResConfig"
 
 
 def test_restated_choices_and_defaults_match_the_modules():
@@ -265,7 +286,7 @@ def test_offline_hub_id_in_the_cache_is_accepted(monkeypatch, tmp_path):
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(sources.socket, "create_connection", no_network)
     assert sources.resolve_source("someone/my-llama", offline=True) == ("someone/my-llama", None)
-    with pytest.raises(ConversionError, match="a copy is in the Hugging Face cache: pass --offline"):
+    with pytest.raises(SourceError, match="a copy is in the Hugging Face cache: pass --offline"):
         monkeypatch.setattr(sources, "hub_reachable", lambda: False)
         sources.resolve_source("someone/my-llama", offline=False)
 
@@ -280,7 +301,7 @@ def test_both_models_are_checked_before_either_loads(command, missing, tmp_path,
 
 
 def test_evaluate_checks_its_models_before_loading(tmp_path, nothing_loads):
-    with pytest.raises(ConversionError, match="no such folder"):
+    with pytest.raises(SourceError, match="no such folder"):
         harness.evaluate(
             tmp_path,
             baseline="./missing",
@@ -309,7 +330,7 @@ def test_a_bug_shows_its_traceback(monkeypatch, tmp_path):
 def test_debug_shows_the_traceback_of_user_errors_too(debug_by, monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNRES_DEBUG", "1" if debug_by == "ATTNRES_DEBUG" else "0")
     options = ["--debug"] if debug_by == "--debug" else []
-    with pytest.raises(ConversionError, match="no such folder"):
+    with pytest.raises(SourceError, match="no such folder"):
         run_cli("convert", "./my-llama", tmp_path / "out", *options)
 
 
@@ -331,7 +352,7 @@ def test_missing_gguf_package_names_its_extra(monkeypatch):
     monkeypatch.setattr(
         sources.importlib.util, "find_spec", lambda name: None if name == "gguf" else real_find_spec(name)
     )
-    with pytest.raises(ConversionError, match=r'pip install "attnres\[gguf\]"'):
+    with pytest.raises(SourceError, match=r'pip install "attnres\[gguf\]"'):
         sources.resolve_source(str(Path.cwd()), gguf_file="model.gguf")
 
 

@@ -34,13 +34,11 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from attnres import AttnResForCausalLM
+from attnres.conversion import ConversionError, convert_checkpoint
 from attnres.data import DataError, pack, stdlib_source_files
-from attnres.conversion import convert_checkpoint
 from attnres.folders import output_lock, read_metrics
 from attnres.modeling_attnres import AttnResDecoderLayer
-from attnres.options import TrainingConfig
-from attnres.sources import ConversionError
-from attnres.training import TrainingError, build_datasets, train
+from attnres.training import TrainingConfig, TrainingError, build_datasets, train
 
 # Standard-library modules whose source is the test corpus: real code, a few hundred KB, on every machine.
 CORPUS_MODULES = ("textwrap", "heapq", "bisect", "colorsys", "keyword", "this", "fnmatch", "shlex", "string", "glob")

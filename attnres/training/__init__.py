@@ -22,7 +22,9 @@ The rooms of this package, in the order a run meets them: `recipe` (the model, w
 The options are `attnres.options.TrainingConfig`.
 """
 
-from ..options import TrainingConfig, TrainingError
+from attnres_cli.errors import TrainingError
+from attnres_cli.options import TrainingConfig
+
 from .batches import build_datasets
 from .loop import TrainingResult, train, train_from_args
 

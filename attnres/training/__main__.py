@@ -5,6 +5,6 @@ It is `attnres train`, with the same options, messages and error handling.
 
 import sys
 
-from ..cli import main
+from attnres_cli.command import main
 
 sys.exit(main(["train", *sys.argv[1:]]))

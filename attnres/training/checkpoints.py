@@ -17,6 +17,8 @@ import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
+from attnres_cli.errors import TrainingError
+
 from ..folders import (
     CHECKPOINTS_FOLDER,
     disk_space_for,
@@ -26,7 +28,6 @@ from ..folders import (
     tensor_bytes,
     written_whole,
 )
-from ..options import TrainingError
 
 logger = logging.getLogger(__name__)
 RESUME_FIX = "rerun with --resume from the checkpoints saved before it, which are intact"

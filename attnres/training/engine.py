@@ -29,7 +29,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from ..options import TrainingConfig, TrainingError
+from attnres_cli.errors import TrainingError
+from attnres_cli.options import TrainingConfig
 
 
 def resolve_mixed_precision(choice: str) -> str | None:

@@ -27,6 +27,9 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from attnres_cli.errors import TrainingError
+from attnres_cli.options import TrainingConfig, parameters_from
+
 from ..analysis import depth_weight_entropy, sublayer_names
 from ..cards import conversion_record, model_card, origin_record, read_origin, write_origin
 from ..configuration_attnres import ATTNRES_MODES
@@ -43,7 +46,6 @@ from ..folders import (
     written_whole,
 )
 from ..hub import check_can_upload, push_folder
-from ..options import TrainingConfig, TrainingError, parameters_from
 from ..sources import load_source_tokenizer
 from .batches import TrainingProgress, build_datasets, make_data_loaders, training_batches
 from .checkpoints import Checkpoints, MetricsLog, TerminationSignal

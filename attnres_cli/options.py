@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import OptionError, TrainingError
+
 # Restated from configuration_attnres.py, which travels with saved models and so imports nothing of this package
 # (tests/test_cli.py checks that the two agree)
 MODES = ("block", "full", "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer")
@@ -56,14 +58,6 @@ DEMO_DEFAULTS = {"output": Path("attnres-demo"), "steps": 40, "eval_limit": 10, 
 TRACKERS = ("aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
 # `--lr-scheduler` choices and the transformers schedule behind each
 SCHEDULERS = {"cosine": "cosine_with_min_lr", "wsd": "warmup_stable_decay", "constant": "constant_with_warmup"}
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot start or go on as asked; the message names the problem and the fix."""
-
-
-class OptionError(ValueError):
-    """An option whose value cannot work (a size, a count, a device, a file); the message names it and what to pass."""
 
 
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # as huggingface_hub reads --max-shard-size
