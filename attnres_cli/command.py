@@ -37,6 +37,7 @@ from .options import (
     FIXTURES,
     MODES,
     MODES_HELP,
+    SUPPORTED_FAMILIES,
     TASK_ALIASES,
     TRUST_REMOTE_CODE_HELP,
     TrainingConfig,
@@ -256,7 +257,7 @@ def add_demo_count_argument(parser: argparse.ArgumentParser, name: str, help_tex
 COMMANDS = {
     "convert": Command(
         "convert a pretrained checkpoint into AttnRes that reproduces it exactly",
-        "Convert a standard pretrained checkpoint (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma3) into "
+        f"Convert a standard pretrained checkpoint of a supported family ({', '.join(SUPPORTED_FAMILIES)}) into "
         "Block (or Full) AttnRes that computes what the source computed, verify that on a fixed sample text, and save "
         "a self-contained folder (after `import attnres` it loads with the Auto classes; without the package, with "
         "trust_remote_code=True). Exits non-zero, writing nothing, when the source cannot be converted or "
@@ -357,13 +358,18 @@ def train_parser() -> argparse.ArgumentParser:
     `HfArgumentParser`, which reads each field's type, default and metadata (help, choices, metavar)."""
     from transformers.hf_argparser import HfArgumentParser
 
-    return HfArgumentParser(
+    parser = HfArgumentParser(
         TrainingConfig,
         formatter_class=DefaultsHelpFormatter,
         prog="attnres train",
         description=COMMANDS["train"].description,
         parents=[common_options()],
     )
+    for action in parser._actions:
+        # Both spellings parse (the parser maps each to its action); the help and the errors name the dashed one, as
+        # the other commands and the README do
+        action.option_strings = [option for option in action.option_strings if "_" not in option]
+    return parser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -6,6 +6,8 @@ This module imports only the standard library, so that `attnres --help` and `att
 """
 
 import argparse
+import ast
+import importlib.util
 import inspect
 import math
 from collections.abc import Callable
@@ -15,13 +17,37 @@ from typing import Any
 
 from .errors import OptionError, TrainingError
 
-# Restated from configuration_attnres.py, which travels with saved models and so imports nothing of this package
-# (tests/test_cli.py checks that the two agree)
-MODES = ("block", "full", "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer")
+
+def configuration_table(name: str) -> dict[str, tuple]:
+    """The rows of the table `name` in attnres/configuration_attnres.py, a dict of calls such as
+    `"llama": Family("llama", "Llama", ...)`, by key, each as its call's literal positional arguments.
+
+    They are read from the file's source, not imported: the configuration is the one declaration of the families and
+    the residual rules, and importing it loads torch (transformers' `PreTrainedConfig`), as does importing anything of
+    the `attnres` package, which `find_spec` locates without running its `__init__`.
+    """
+    configuration = Path(importlib.util.find_spec("attnres").origin).with_name("configuration_attnres.py")
+    statements = ast.parse(configuration.read_text(encoding="utf-8")).body
+    table = next(
+        statement.value
+        for statement in statements
+        if isinstance(statement, ast.Assign) and [getattr(target, "id", None) for target in statement.targets] == [name]
+    )
+    return {
+        ast.literal_eval(key): tuple(ast.literal_eval(argument) for argument in row.args)
+        for key, row in zip(table.keys, table.values, strict=True)
+    }
+
+
+SUPPORTED_FAMILIES = tuple(configuration_table("FAMILIES"))  # the source families, by model_type
+# The depth-mixing rules: name -> (label, sources, why it cannot start as the source computes; absent where it can)
+RESIDUAL_RULES = configuration_table("RESIDUAL_RULES")
+MODES = tuple(RESIDUAL_RULES)
+FROM_SCRATCH_ONLY = tuple(mode for mode, (_, _, *cannot_convert) in RESIDUAL_RULES.items() if cannot_convert)
 MODES_HELP = (
-    "the depth-mixing rule: block (Block AttnRes, the default), full (Full AttnRes), or one the paper compares them "
-    "with: prenorm, postnorm, rezero, layerscale, highway, denseformer (postnorm and highway cannot start as the "
-    "source computes: train them --from-scratch)"
+    "the depth-mixing rule (default: block): "
+    + "; ".join(f"{mode}, {label}" for mode, (label, *_) in RESIDUAL_RULES.items())
+    + f". {', '.join(FROM_SCRATCH_ONLY)} cannot start as the source computes: train them --from-scratch"
 )
 # dtypes a command line may ask for: of converted weights (`attnres convert`), and to evaluate in (auto: the
 # checkpoint's own)
@@ -53,9 +79,6 @@ TRUST_REMOTE_CODE_HELP = (
 ANALYSIS_TOKENS = 512
 # `attnres demo`; its steps are sized for about 9 minutes on an idle 2-core CPU, where one step takes about 7.5 s
 DEMO_DEFAULTS = {"output": Path("attnres-demo"), "steps": 40, "eval_limit": 10, "max_gen_toks": 128}
-# Restated so that this module imports nothing heavy (tests/test_cli.py checks it): accelerate's LoggerType values,
-# less "all"
-TRACKERS = ("aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
 # `--lr-scheduler` choices and the transformers schedule behind each
 SCHEDULERS = {"cosine": "cosine_with_min_lr", "wsd": "warmup_stable_decay", "constant": "constant_with_warmup"}
 
@@ -217,8 +240,8 @@ class TrainingConfig:
     report_to: list[str] = field(
         default_factory=list,
         metadata={
-            "help": f"Accelerate trackers to log to as well: {', '.join(TRACKERS)}",
-            "choices": TRACKERS,
+            "help": "Accelerate trackers to log to as well (tensorboard, wandb, mlflow, ...: the names of "
+            "Accelerate's LoggerType)",
             "metavar": "TRACKER",
         },
     )

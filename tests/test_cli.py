@@ -120,13 +120,49 @@ print(type(AutoConfig.for_model("attnres")).__name__)
     assert child.stdout.strip() == "AttnResConfig"
 
 
+def test_the_rules_and_families_read_from_the_configuration_are_its_own():
+    """`attnres_cli.options` reads them from the configuration's source (importing it loads torch)."""
+    from attnres.configuration_attnres import RESIDUAL_RULES, SUPPORTED_FAMILIES
+
+    assert options.SUPPORTED_FAMILIES == SUPPORTED_FAMILIES and len(SUPPORTED_FAMILIES) == 19
+    assert options.MODES == tuple(RESIDUAL_RULES)
+    assert {mode: label for mode, (label, *_) in options.RESIDUAL_RULES.items()} == {
+        mode: rule.label for mode, rule in RESIDUAL_RULES.items()
+    }
+    assert options.FROM_SCRATCH_ONLY == ("postnorm", "highway")
+    assert options.FROM_SCRATCH_ONLY == tuple(mode for mode, rule in RESIDUAL_RULES.items() if rule.converts)
+
+
+def test_help_names_every_family_and_rule():
+    convert = subparsers()["convert"].description
+    assert re.findall(r"\w+", convert.partition("supported family (")[2].partition(")")[0]) == list(
+        options.SUPPORTED_FAMILIES
+    )
+    for parser in (subparsers()["convert"], cli.train_parser()):
+        mode = next(action for action in parser._actions if action.dest == "mode")
+        assert mode.choices == options.MODES
+        assert all(f"{name}, {label}" in mode.help for name, (label, *_) in options.RESIDUAL_RULES.items())
+        assert "postnorm, highway cannot start as the source computes" in mode.help
+
+
+def test_train_help_shows_the_dashed_spellings_and_both_parse():
+    parser = cli.train_parser()
+    help_text = parser.format_help()
+    assert "--output-dir DIR" in help_text and "--seq-len SEQ_LEN" in help_text
+    assert "--output_dir" not in help_text and "--seq_len" not in help_text
+    dashed = parser.parse_args(["--output-dir", "out", "--seq-len", "64"])
+    underscored = parser.parse_args(["--output_dir", "out", "--seq_len", "64"])
+    assert (dashed.output_dir, dashed.seq_len) == (underscored.output_dir, underscored.seq_len) == ("out", 64)
+
+
+def test_an_unknown_tracker_is_refused_naming_the_known_ones(tmp_path):
+    exit_code, _, error = run_cli("train", "--output-dir", tmp_path / "run", "--report-to", "tensorbored")
+    assert exit_code == 1 and error.startswith("attnres train: error: --report-to tensorbored: not a tracker of")
+    assert "tensorboard" in error and "wandb" in error and error.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
 def test_restated_choices_and_defaults_match_the_modules():
-    from attnres.configuration_attnres import MODES
-
-    assert cli.MODES == options.MODES == MODES
-    from accelerate.utils import LoggerType
-
-    assert options.TRACKERS == tuple(tracker.value for tracker in LoggerType if tracker != LoggerType.ALL)
     assert cli.CONVERT_DTYPES == tuple(conversion.DTYPES)
     assert cli.EVAL_DTYPES == tuple(harness.DTYPES)
     assert tuple(cli.TASK_ALIASES) == tuple(harness.TASK_ALIASES)

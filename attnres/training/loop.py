@@ -49,7 +49,7 @@ from ..hub import check_can_upload, push_folder
 from ..sources import load_source_tokenizer
 from .batches import TrainingProgress, build_datasets, make_data_loaders, training_batches
 from .checkpoints import Checkpoints, MetricsLog, TerminationSignal
-from .engine import allow_a_graph_per_layer, distribution, make_accelerator, unsharded_twin
+from .engine import allow_a_graph_per_layer, check_trackers, distribution, make_accelerator, unsharded_twin
 from .recipe import (
     apply_resumed_options,
     is_attnres,
@@ -370,6 +370,7 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
     `DataError` or `ConversionError` with a message that says what to change.
     """
     config = dataclasses.replace(config, **options) if config is not None else TrainingConfig(**options)
+    check_trackers(config.report_to)
     output_dir = Path(config.output_dir)
     fix = "choose a new --output-dir"
     if (output_dir / CHECKPOINTS_FOLDER).is_dir():
