@@ -513,7 +513,7 @@ def write_report(result: DemoResult) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Command line: `attnres demo` (its options are in attnres/cli.py)
+# Command line: `attnres demo` (its options are in attnres_cli/command.py)
 # --------------------------------------------------------------------------------------------------------------------
 
 

@@ -5,15 +5,12 @@ This module imports only the standard library, so that `attnres --help` and `att
 (the CLI reads its choices here) while the modules that do the work, which import torch, read the same ones.
 """
 
-import argparse
 import ast
 import importlib.util
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .errors import OptionError, TrainingError
 
@@ -291,9 +288,3 @@ NUMBER_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "lora_dropout": (lambda value: 0 <= value < 1, "at least 0 and below 1"),
     "seed": (lambda value: 0 <= value < 2**32, "between 0 and 2**32 - 1"),
 }
-
-
-def parameters_from(args: argparse.Namespace, function: Callable) -> dict[str, Any]:
-    """The parsed options that `function` (or a dataclass) takes, by name: `--max-gen-toks` reaches `max_gen_toks`."""
-    parameters = inspect.signature(function).parameters
-    return {name: value for name, value in vars(args).items() if name in parameters}

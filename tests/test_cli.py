@@ -3,6 +3,7 @@ arguments checked before anything loads (wrong folders, an unreachable Hub, offl
 
 import argparse
 import configparser
+import importlib
 import inspect
 import json
 import os
@@ -12,6 +13,7 @@ import sys
 from contextlib import redirect_stderr
 from io import StringIO
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from huggingface_hub import constants as hub_constants
@@ -246,6 +248,39 @@ def test_unknown_options_are_refused():
     assert exit.value.code == 2 and "unrecognized arguments: --colour red" in stderr.getvalue()
 
 
+class ReadOptions(argparse.Namespace):
+    """Parsed options that remember which of them the code reads."""
+
+    def __init__(self, parsed: argparse.Namespace):
+        super().__init__(**vars(parsed))
+        self.read = set()
+
+    def __getattribute__(self, name: str):
+        if not name.startswith("_") and name != "read":
+            super().__getattribute__("read").add(name)
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("command", ["convert", "eval", "train"])
+def test_every_option_reaches_the_function_that_runs_the_command(command, monkeypatch, tmp_path):
+    """The function that runs a command reads every option its parser makes: an option that reached nothing would be
+    ignored without a word."""
+    from attnres.training import loop
+
+    monkeypatch.setattr(conversion, "convert_checkpoint", lambda *args, **options: None)
+    monkeypatch.setattr(harness, "evaluate", lambda *args, **options: SimpleNamespace(to_markdown=lambda: ""))
+    monkeypatch.setattr(loop, "train", lambda config: loop.TrainingResult(tmp_path, 1, {}, False, None))
+    argv = {
+        "convert": ["convert", str(model_folder(tmp_path / "source")), str(tmp_path / "out")],
+        "eval": ["eval", "default"],
+        "train": ["train", "--output-dir", str(tmp_path / "run")],
+    }[command]
+    args = ReadOptions(cli.parse_args(argv))
+    module, function = cli.COMMANDS[command].run.split(":")
+    assert getattr(importlib.import_module(module), function)(args) == 0
+    assert sorted(set(vars(args)) - args.read - {"read", "command"}) == []
+
+
 @pytest.mark.parametrize("command", ["convert", "demo"])
 def test_device_reaches_the_code_that_runs_the_models(command, monkeypatch, tmp_path):
     calls = []
@@ -402,7 +437,7 @@ for name in {tuple(cli.EXTRAS)!r}:
 from contextlib import redirect_stderr
 from io import StringIO
 from tiny import tiny_source_model, tiny_tokenizer
-from attnres import cli
+from attnres_cli import command as cli
 tiny_source_model("llama").save_pretrained({str(tmp_path / "source")!r})
 tiny_tokenizer().save_pretrained({str(tmp_path / "source")!r})
 assert cli.main(["convert", {str(tmp_path / "source")!r}, {str(tmp_path / "converted")!r}]) == 0

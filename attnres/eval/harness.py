@@ -39,7 +39,6 @@ from attnres_cli.options import (
     EVAL_DTYPES,
     FIXTURES,
     TASK_ALIASES,
-    parameters_from,
 )
 
 from ..folders import check_output_dir, output_lock, replace_fix, written_whole
@@ -554,13 +553,31 @@ def evaluate_each(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Command line: `attnres eval` (its options are in attnres/cli.py)
+# Command line: `attnres eval` (its options are in attnres_cli/command.py)
 # --------------------------------------------------------------------------------------------------------------------
 
 
 def run_eval(args: argparse.Namespace) -> int:
     tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
-    report = evaluate(**parameters_from(args, evaluate) | {"tasks": tasks, "output_dir": args.output})
+    report = evaluate(
+        args.model,
+        baseline=args.baseline,
+        tasks=tasks,
+        output_dir=args.output,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        device=args.device,
+        allow_code_execution=args.allow_code_execution,
+        offline=args.offline,
+        data_dir=args.data_dir,
+        log_samples=args.log_samples,
+        max_gen_toks=args.max_gen_toks,
+        baseline_label=args.baseline_label,
+        model_label=args.model_label,
+        trust_remote_code=args.trust_remote_code,
+        overwrite=args.overwrite,
+    )
     print(report.to_markdown())
     print(f"Results and summary in {args.output}")
     return 0

@@ -28,7 +28,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from attnres_cli.errors import TrainingError
-from attnres_cli.options import TrainingConfig, parameters_from
+from attnres_cli.options import TrainingConfig
 
 from ..analysis import depth_weight_entropy, sublayer_names
 from ..cards import conversion_record, model_card, origin_record, read_origin, write_origin
@@ -451,8 +451,11 @@ def check_run_folder(output_dir: Path) -> None:
 
 
 def train_from_args(args: argparse.Namespace) -> int:
-    """Run `train` with the options parsed by `attnres.cli.train_parser` -> the exit status."""
-    result = train(TrainingConfig(**parameters_from(args, TrainingConfig)))
+    """Run `train` with the options parsed by `attnres_cli.command.train_parser` -> the exit status."""
+    # Every field is an option of `attnres train` (`train_parser` makes one per field), so none is left behind
+    result = train(
+        TrainingConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(TrainingConfig)})
+    )
     if not result.interrupted:
         print(f"Trained {result.step} steps; the model is in {result.output_dir}.")
         return 0
