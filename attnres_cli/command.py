@@ -41,6 +41,7 @@ from .options import (
     TASK_ALIASES,
     TRUST_REMOTE_CODE_HELP,
     TrainingConfig,
+    check_block_size,
     size_in_bytes,
 )
 
@@ -429,9 +430,8 @@ def check_values(args: argparse.Namespace) -> None:
             raise OptionError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if getattr(args, "max_shard_size", None) is not None:
         size_in_bytes(args.max_shard_size)
-    mode = getattr(args, "mode", None)
-    if mode not in (None, "block") and getattr(args, "block_size", None) is not None:
-        raise OptionError(f"--block-size sets the layers per block of Block AttnRes; --mode {mode} has none")
+    if args.command == "convert":  # train's options check themselves (TrainingConfig)
+        check_block_size(args.mode, args.block_size)
     text = getattr(args, "text", None)
     if text is not None and not Path(text).is_file():
         raise OptionError(f"--text {text}: no such file")

@@ -96,6 +96,12 @@ def size_in_bytes(size: str) -> int:
     return value
 
 
+def check_block_size(mode: str, block_size: int | None) -> None:
+    """`--block-size` counts the decoder layers in a block of Block AttnRes: OptionError with any other `--mode`."""
+    if mode != "block" and block_size is not None:
+        raise OptionError(f"--block-size sets the layers per block of Block AttnRes; --mode {mode} has none")
+
+
 @dataclass
 class TrainingConfig:
     """Options of `attnres train`, one per field (`seq_len` is `--seq-len`); `train(**options)` takes the same names.
@@ -260,8 +266,7 @@ class TrainingConfig:
             raise TrainingError(
                 "--mode, --block-size and --from-scratch choose how --convert converts: add --convert, or drop them"
             )
-        if self.mode != "block" and self.block_size is not None:
-            raise TrainingError(f"--block-size sets the layers per block of Block AttnRes; --mode {self.mode} has none")
+        check_block_size(self.mode, self.block_size)
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
             raise TrainingError(
                 f"--stop-at-step must be between 1 and --max-steps ({self.max_steps}), got {self.stop_at_step}"
