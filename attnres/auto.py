@@ -11,7 +11,7 @@ import importlib.util
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-# All of these are `attnres.<name>` too: attnres/__init__.py serves its `__all__` from here
+# All of these are `attnres.<name>` too: attnres/__init__.py imports its `__all__` from here
 from .configuration_attnres import SUPPORTED_FAMILIES, AttnResConfig  # noqa: F401
 from .depth_mixing import DEPTH_RULES
 from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel  # noqa: F401

@@ -7,9 +7,10 @@ the `attnres` package: importing any module of a package runs the package's `__i
 registers the model classes with transformers' Auto classes, which loads torch. The options of the other subcommands
 are declared here; their choices and defaults come from `attnres_cli.options`, as those of the modules behind them do.
 
-Errors: a mistake the user can fix (a wrong path, a missing extra, a refused conversion, a full disk ...) is one line
-on stderr and exit status 1; anything else is a bug and shows its traceback. `--debug` (or ATTNRES_DEBUG=1) shows
-tracebacks for all, and the notices of other libraries that are not about the command, hidden otherwise.
+Errors: a mistake the user can fix (an `AttnResInputError`, see `attnres_cli.errors`; a path that does not exist, a
+missing extra, a full disk ...) is one line on stderr and exit status 1; anything else is a bug and shows its
+traceback. `--debug` (or ATTNRES_DEBUG=1) shows tracebacks for all, and the notices of other libraries that are not
+about the command, hidden otherwise.
 """
 
 import argparse
