@@ -1,8 +1,10 @@
 """What a user chooses: the choices and defaults that the `attnres` command shows, which the modules behind it use
 too, and `TrainingConfig`, the options of `attnres train`.
 
-This module imports only the standard library, so that `attnres --help` and `attnres <command> --help` answer at once
-(the CLI reads its choices here) while the modules that do the work, which import torch, read the same ones.
+This module imports only the standard library and the error types beside it, so that `attnres --help` and
+`attnres <command> --help` answer at once (the CLI reads its choices here) while the modules that do the work, which
+import torch, read the same ones. The residual rules and the source families it reads from the configuration's source
+(`configuration_table`).
 """
 
 import ast
