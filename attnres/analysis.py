@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from attnres_cli.errors import AnalysisError
+
 from .configuration_attnres import FAMILIES, AttnResConfig
 from .folders import check_output_dir, output_lock, replace_fix, written_whole
 from .modeling_attnres import AttnResForCausalLM
@@ -24,10 +26,6 @@ from .verification import SAMPLE_TEXT
 if TYPE_CHECKING:  # matplotlib is the `plots` extra: imported where a picture is drawn (training needs only entropies)
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-
-
-class AnalysisError(ValueError):
-    """A model or text the analysis cannot use; the message says why."""
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The model as the rest of the package sees it: its classes, registered with transformers' Auto classes for
 `model_type="attnres"` when this module loads, and which of its parameters are the ones AttnRes adds.
 
-`import attnres` loads it, and so does every module of the package that loads models (the process of the `attnres`
-command skips the first, see `attnres/__init__.py`), so that AutoConfig / AutoModel / AutoModelForCausalLM know
-AttnRes without `trust_remote_code` and load AttnRes folders with these classes, not the folders' copies of them.
+`import attnres` loads it (as does the import of any module of the package, which imports the package first), so
+that AutoConfig / AutoModel / AutoModelForCausalLM know AttnRes without `trust_remote_code` and load AttnRes folders
+with these classes, not the folders' copies of them.
 """
 
 import importlib.util
@@ -11,7 +11,7 @@ import importlib.util
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-# All of these are `attnres.<name>` too: attnres/__init__.py serves its `__all__` from here
+# All of these are `attnres.<name>` too: attnres/__init__.py imports its `__all__` from here
 from .configuration_attnres import SUPPORTED_FAMILIES, AttnResConfig  # noqa: F401
 from .depth_mixing import DEPTH_RULES
 from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel  # noqa: F401

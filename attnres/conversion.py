@@ -18,15 +18,16 @@ import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from attnres_cli.errors import ConversionError
+from attnres_cli.options import CONVERT_DTYPES
+
 from .auto import added_parameter_count, is_attnres_parameter
 from .cards import conversion_record, describe_layout, model_card, origin_record, write_origin
 from .configuration_attnres import RESIDUAL_RULES, AttnResConfig
 from .folders import check_output_dir, disk_space_for, output_lock, replace_fix, tensor_bytes, written_whole
 from .modeling_attnres import AttnResForCausalLM
-from .options import CONVERT_DTYPES
 from .sources import (
     TOKENIZER_FILES,
-    ConversionError,
     has_tokenizer,
     load_source,
     load_source_config,

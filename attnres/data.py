@@ -17,6 +17,8 @@ from pathlib import Path
 from datasets import Dataset, IterableDataset, load_dataset
 from transformers import PreTrainedTokenizerBase
 
+from attnres_cli.errors import DataError
+
 # Local files by extension, and the `datasets` builder that reads each kind. A `.txt` file is one document.
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 # Parts of the standard library that differ between installations of the same Python version (third-party packages,
@@ -27,10 +29,6 @@ STDLIB_EXCLUDED_PREFIX = "_sysconfigdata"
 PACKING_GROUP_SIZE = 1000
 # Bytes of a text file checked at a time: a corpus file is read once whole before `datasets` reads it
 TEXT_CHECK_CHUNK = 1 << 20
-
-
-class DataError(ValueError):
-    """Training data that cannot be used as asked; the message names the problem and the fix."""
 
 
 def stdlib_source_files() -> list[str]:

@@ -34,15 +34,16 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
+from attnres_cli.errors import ConversionError
+from attnres_cli.options import ANALYSIS_TOKENS, DEFAULT_SOURCE, DEMO_DEFAULTS, FIXTURES
+
 from .analysis import analyze
 from .cards import describe_layout
 from .conversion import convert_checkpoint
 from .eval import EvalReport, evaluate
 from .folders import check_output_dir, read_metrics, remove, replace_fix, written_whole
 from .hub import evaluation_summary
-from .options import ANALYSIS_TOKENS, DEFAULT_SOURCE, DEMO_DEFAULTS, FIXTURES
 from .sources import (
-    ConversionError,
     check_tokenizer,
     load_source,
     load_source_config,
@@ -512,7 +513,7 @@ def write_report(result: DemoResult) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Command line: `attnres demo` (its options are in attnres/cli.py)
+# Command line: `attnres demo` (its options are in attnres_cli/command.py)
 # --------------------------------------------------------------------------------------------------------------------
 
 

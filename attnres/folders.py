@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from attnres_cli.errors import InterruptedReplaceError
+
 CHECKPOINTS_FOLDER = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 TRAINING_CONFIG_FILE = "training_config.json"
@@ -24,11 +26,6 @@ DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "file write
 SIZE_UNITS = ((10**12, "TB"), (10**9, "GB"), (10**6, "MB"), (10**3, "kB"))
 
 logger = logging.getLogger(__name__)
-
-
-class InterruptedReplaceError(FileExistsError):
-    """An output is missing because an earlier `--overwrite` stopped between setting it aside and moving its
-    replacement in: the old output is in `.NAME.previous`, its only copy, which nothing deletes."""
 
 
 def check_output_dir(

@@ -19,6 +19,8 @@ from huggingface_hub import HfApi, ModelCard, get_token
 from huggingface_hub import constants as hub_constants
 from transformers import PreTrainedConfig
 
+from attnres_cli.errors import HubUploadError
+
 from .cards import model_card, origin_record, read_origin
 from .folders import CHECKPOINTS_FOLDER
 from .sources import hub_reachable, load_source_config
@@ -32,10 +34,6 @@ except ImportError:  # huggingface_hub 1
 # (`attnres eval --output` never lies inside the model it evaluates)
 EVALUATION_SUMMARIES = ("summary.md", "eval/summary.md")
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
-
-
-class HubUploadError(RuntimeError):
-    """The upload failed; the local folder is complete and usable either way."""
 
 
 @contextmanager
@@ -114,7 +112,7 @@ def push_folder(
 
 def load_model_folder_config(folder: Path, trust_remote_code: bool = False) -> PreTrainedConfig:
     """The config of a loadable model folder (AttnRes or plain); a clear error for anything else, and a
-    `ConversionError` for a folder that needs code of its own, unless `trust_remote_code`."""
+    `SourceError` for a folder that needs code of its own, unless `trust_remote_code`."""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder")
     if not (folder / "config.json").is_file() or not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):

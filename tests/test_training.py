@@ -34,13 +34,12 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from attnres import AttnResForCausalLM
+from attnres.conversion import ConversionError, convert_checkpoint
 from attnres.data import DataError, pack, stdlib_source_files
-from attnres.conversion import convert_checkpoint
 from attnres.folders import output_lock, read_metrics
 from attnres.modeling_attnres import AttnResDecoderLayer
-from attnres.options import TrainingConfig
-from attnres.sources import ConversionError
-from attnres.training import TrainingError, build_datasets, train
+from attnres.training import TrainingConfig, TrainingError, build_datasets, train
+from attnres_cli.errors import OptionError
 
 # Standard-library modules whose source is the test corpus: real code, a few hundred KB, on every machine.
 CORPUS_MODULES = ("textwrap", "heapq", "bisect", "colorsys", "keyword", "this", "fnmatch", "shlex", "string", "glob")
@@ -460,7 +459,7 @@ def test_nonsense_numbers_are_refused_before_anything_loads(option, value, words
     """Each of these once trained silently into a ruined model (a negative clipping norm made the loss climb)."""
     with pytest.raises(TrainingError, match=words):
         TrainingConfig(output_dir="unused", **{option: value})
-    with pytest.raises(TrainingError, match="--mode full has none"):
+    with pytest.raises(OptionError, match="--mode full has none"):
         TrainingConfig(output_dir="unused", convert=True, mode="full", block_size=2)
     TrainingConfig(output_dir="unused", attnres_lr=0.0, max_grad_norm=0.0, warmup_steps=0, min_lr_ratio=1.0)
 

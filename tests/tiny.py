@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, PreTrai
 
 import attnres
 from attnres.auto import is_attnres_parameter
-from attnres.cli import main
+from attnres_cli.command import main
 
 VOCAB = 96
 COMMON = dict(

@@ -8,41 +8,10 @@ naming the library's release and the range AttnRes runs on, instead of failing l
 model files, which travel alone as remote code, keep their own seam at the top of modeling_attnres.py and
 configuration_attnres.py.
 
-Standard library only here: the process of the `attnres` command imports `argparse_private` before anything heavy.
+The check and its error are `attnres_cli.seams`, shared with the command's own seam (argparse), which must not import
+this package.
 """
 
-import platform
-import sys
-from types import ModuleType
+from attnres_cli.seams import REQUIREMENTS, PrivatePartMissing, require
 
-# What setup.cfg requires of each library (pip's name first); a release that lacks a private part ends the range
-REQUIREMENTS = {
-    "accelerate": "accelerate>=1.10",
-    "deepspeed": "deepspeed>=0.19",
-    "huggingface_hub": "huggingface_hub>=1.0",
-    "lm_eval": "lm-eval>=0.4.13,<0.5",
-    "peft": "peft>=0.17",
-    "torch": "torch>=2.6,<2.15",
-    "transformers": "transformers>=5.24",
-}
-
-
-class PrivatePartMissing(ImportError):
-    """A library release without a private part that AttnRes relies on."""
-
-
-def require(present: bool, library: ModuleType, what: str) -> None:
-    """Stop with `PrivatePartMissing` unless `present`: the installed `library` lacks `what`."""
-    if present:
-        return
-    name = library.__name__
-    if name in sys.stdlib_module_names:
-        raise PrivatePartMissing(
-            f"Python {platform.python_version()}'s {name} has no {what}, which AttnRes relies on: "
-            "run it on an earlier Python, or a newer attnres"
-        )
-    requirement = REQUIREMENTS[name]
-    raise PrivatePartMissing(
-        f"{name} {library.__version__} has no {what}, which AttnRes relies on; AttnRes supports {requirement} up to "
-        f'the releases that have it: pip install "{requirement},<{library.__version__}"'
-    )
+__all__ = ["REQUIREMENTS", "PrivatePartMissing", "require"]

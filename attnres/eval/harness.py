@@ -28,11 +28,19 @@ from lm_eval.utils import handle_non_serializable
 from safetensors import SafetensorError
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from attnres_cli.errors import EvalError, SourceError
+from attnres_cli.options import (
+    DEFAULT_SOURCE,
+    DEFAULT_TASKS,
+    EVAL_COLUMNS,
+    EVAL_DTYPES,
+    FIXTURES,
+    TASK_ALIASES,
+)
+
 from ..compat.lm_eval_private import quiet_git_probe
 from ..folders import check_output_dir, output_lock, replace_fix, written_whole
-from ..options import DEFAULT_SOURCE, DEFAULT_TASKS, EVAL_COLUMNS, EVAL_DTYPES, FIXTURES, TASK_ALIASES, parameters_from
 from ..sources import (
-    ConversionError,
     check_tokenizer,
     hub_reachable,
     load_source,
@@ -64,11 +72,6 @@ LABELS = ("source", "attnres")  # result files: the baseline, then the evaluated
 MIN_QUESTIONS = 30
 NOT_SIGNIFICANT = "(not significant)"
 BOOTSTRAP_ITERS = 1000  # for the stderr of metrics without a closed form (means have one)
-
-
-class EvalError(Exception):
-    """An evaluation that cannot run as asked (unknown task, missing data, no permission to run code, a model that
-    does not load); the message says what to change."""
 
 
 @dataclass
@@ -273,7 +276,7 @@ def load_model(
         # What a model that does not load raises: files missing or unreadable, the Hub (OSError), a config transformers
         # cannot read or build (ValueError), weights that do not fit it (RuntimeError), a corrupt weights file. Not a
         # missing package (the command names the extra to install), nor a bug here (its traceback shows).
-        except (OSError, ValueError, RuntimeError, SafetensorError, ConversionError) as error:
+        except (OSError, ValueError, RuntimeError, SafetensorError, SourceError) as error:
             raise EvalError(f"cannot load the model {str(model)!r}: {type(error).__name__}: {error}") from error
     elif tokenizer is None:
         tokenizer = load_source_tokenizer(model.name_or_path, trust_remote_code=trust_remote_code)
@@ -454,11 +457,11 @@ def evaluate(
     fixtures). `tokenizer` goes with model objects: `model`'s and, when it is an object too, the baseline's (a
     source and its conversion share one); without it, objects load theirs from `name_or_path`. Named models are
     checked before any loads (`resolve_source`): a missing folder, a folder without a model or a tokenizer, or a Hub
-    id that cannot be had (offline: not in the cache), raises `ConversionError`; an `output_dir` that is, holds or
+    id that cannot be had (offline: not in the cache), raises `SourceError`; an `output_dir` that is, holds or
     lies inside one of them or `data_dir`, or is the current or home folder, raises `EvalError`. `baseline_label` and
     `model_label` name the table's two columns (the demo's baseline is a trained control, not a source). AttnRes
     models load with the installed classes, never a folder's copy of them; a named model that needs code of its own
-    (an `auto_map` in its config.json, for a model type transformers does not know) raises `ConversionError` before
+    (an `auto_map` in its config.json, for a model type transformers does not know) raises `SourceError` before
     any loads, unless `trust_remote_code`. An `output_dir` with files in it raises `EvalError` unless `overwrite`,
     which replaces it whole once the new results are complete.
     """
@@ -525,13 +528,31 @@ def evaluate_each(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Command line: `attnres eval` (its options are in attnres/cli.py)
+# Command line: `attnres eval` (its options are in attnres_cli/command.py)
 # --------------------------------------------------------------------------------------------------------------------
 
 
 def run_eval(args: argparse.Namespace) -> int:
     tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
-    report = evaluate(**parameters_from(args, evaluate) | {"tasks": tasks, "output_dir": args.output})
+    report = evaluate(
+        args.model,
+        baseline=args.baseline,
+        tasks=tasks,
+        output_dir=args.output,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        device=args.device,
+        allow_code_execution=args.allow_code_execution,
+        offline=args.offline,
+        data_dir=args.data_dir,
+        log_samples=args.log_samples,
+        max_gen_toks=args.max_gen_toks,
+        baseline_label=args.baseline_label,
+        model_label=args.model_label,
+        trust_remote_code=args.trust_remote_code,
+        overwrite=args.overwrite,
+    )
     print(report.to_markdown())
     print(f"Results and summary in {args.output}")
     return 0

@@ -18,6 +18,8 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 from torch import nn
 
+from attnres_cli.errors import TrainingError
+
 from ..folders import (
     CHECKPOINTS_FOLDER,
     disk_space_for,
@@ -27,7 +29,6 @@ from ..folders import (
     tensor_bytes,
     written_whole,
 )
-from ..options import TrainingError
 
 logger = logging.getLogger(__name__)
 RESUME_FIX = "rerun with --resume from the checkpoints saved before it, which are intact"

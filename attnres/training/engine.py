@@ -29,10 +29,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from attnres_cli.errors import TrainingError
+from attnres_cli.options import TrainingConfig
+
 from ..compat.accelerate_private import hand_fsdp_to_state, leave_device_to_deepspeed
 from ..compat.deepspeed_private import zero3_share
 from ..compat.torch_private import raise_recompile_limit
-from ..options import TrainingConfig, TrainingError
 
 
 def resolve_mixed_precision(choice: str) -> str | None:
@@ -63,6 +65,18 @@ def requested_engine() -> DistributedType | None:
     return None
 
 
+def check_trackers(report_to: list[str]) -> None:
+    """`TrainingError` for a `--report-to` name that is not one of Accelerate's trackers (its `LoggerType`, less "all",
+    which would log to whatever is installed), or that names one whose package is not installed."""
+    trackers = [tracker.value for tracker in LoggerType if tracker is not LoggerType.ALL]
+    unknown = [name for name in report_to if name not in trackers]
+    if unknown:
+        raise TrainingError(f"--report-to {' '.join(unknown)}: not a tracker of Accelerate; pass {', '.join(trackers)}")
+    unavailable = [name for name in report_to if LoggerType(name) not in get_available_trackers()]
+    if unavailable:
+        raise TrainingError(f"--report-to {' '.join(unavailable)}: pip install {' '.join(unavailable)}, or drop it")
+
+
 def make_accelerator(config: TrainingConfig) -> Accelerator:
     """The Accelerator of this process, running the engine that was asked for or stopping with a `TrainingError`.
 
@@ -71,9 +85,6 @@ def make_accelerator(config: TrainingConfig) -> Accelerator:
     up: DeepSpeed through Accelerate's own path (with DeepSpeed's CPU accelerator), which needs Accelerate not to be
     told to use the CPU; FSDP2 by handing Accelerate's multi-CPU state the FSDP plugin (`shard_with_fsdp2`).
     """
-    unavailable = [name for name in config.report_to if LoggerType(name) not in get_available_trackers()]
-    if unavailable:
-        raise TrainingError(f"--report-to {' '.join(unavailable)}: pip install {' '.join(unavailable)}, or drop it")
     engine = requested_engine()
     if engine is DistributedType.DEEPSPEED and not is_deepspeed_available():
         raise TrainingError('DeepSpeed was asked for (ACCELERATE_USE_DEEPSPEED=true): pip install "attnres[deepspeed]"')

@@ -27,6 +27,9 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from attnres_cli.errors import TrainingError
+from attnres_cli.options import TrainingConfig
+
 from ..analysis import depth_weight_entropy, sublayer_names
 from ..cards import conversion_record, model_card, origin_record, read_origin, write_origin
 from ..configuration_attnres import ATTNRES_MODES
@@ -43,11 +46,10 @@ from ..folders import (
     written_whole,
 )
 from ..hub import check_can_upload, push_folder
-from ..options import TrainingConfig, TrainingError, parameters_from
 from ..sources import load_source_tokenizer
 from .batches import TrainingProgress, build_datasets, make_data_loaders, training_batches
 from .checkpoints import Checkpoints, MetricsLog, TerminationSignal
-from .engine import allow_a_graph_per_layer, distribution, make_accelerator, unsharded_twin
+from .engine import allow_a_graph_per_layer, check_trackers, distribution, make_accelerator, unsharded_twin
 from .recipe import (
     apply_resumed_options,
     is_attnres,
@@ -368,6 +370,7 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
     `DataError` or `ConversionError` with a message that says what to change.
     """
     config = dataclasses.replace(config, **options) if config is not None else TrainingConfig(**options)
+    check_trackers(config.report_to)
     output_dir = Path(config.output_dir)
     fix = "choose a new --output-dir"
     if (output_dir / CHECKPOINTS_FOLDER).is_dir():
@@ -448,8 +451,11 @@ def check_run_folder(output_dir: Path) -> None:
 
 
 def train_from_args(args: argparse.Namespace) -> int:
-    """Run `train` with the options parsed by `attnres.cli.train_parser` -> the exit status."""
-    result = train(TrainingConfig(**parameters_from(args, TrainingConfig)))
+    """Run `train` with the options parsed by `attnres_cli.command.train_parser` -> the exit status."""
+    # Every field is an option of `attnres train` (`train_parser` makes one per field), so none is left behind
+    result = train(
+        TrainingConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(TrainingConfig)})
+    )
     if not result.interrupted:
         print(f"Trained {result.step} steps; the model is in {result.output_dir}.")
         return 0

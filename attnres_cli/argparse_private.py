@@ -1,9 +1,9 @@
-"""The package's reach into argparse's private parts: the help formatter's hook for an option's help text, which its
-documentation names only as a class to choose."""
+"""The command's reach into argparse's private parts: the help formatter's hook for an option's help text, which its
+documentation names only as a class to choose, and a parser's list of actions, which it has no public reader for."""
 
 import argparse
 
-from . import require
+from .seams import require
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -16,3 +16,9 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 require(hasattr(argparse.ArgumentDefaultsHelpFormatter, "_get_help_string"), argparse, "HelpFormatter._get_help_string")
+require(hasattr(argparse.ArgumentParser(), "_actions"), argparse, "ArgumentParser._actions")
+
+
+def option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's actions, one per option, to change how they are shown."""
+    return parser._actions

@@ -1,25 +1,52 @@
 """What a user chooses: the choices and defaults that the `attnres` command shows, which the modules behind it use
 too, and `TrainingConfig`, the options of `attnres train`.
 
-This module imports only the standard library, so that `attnres --help` and `attnres <command> --help` answer at once
-(the CLI reads its choices here) while the modules that do the work, which import torch, read the same ones.
+This module imports only the standard library and the error types beside it, so that `attnres --help` and
+`attnres <command> --help` answer at once (the CLI reads its choices here) while the modules that do the work, which
+import torch, read the same ones. The residual rules and the source families it reads from the configuration's source
+(`configuration_table`).
 """
 
-import argparse
-import inspect
+import ast
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-# Restated from configuration_attnres.py, which travels with saved models and so imports nothing of this package
-# (tests/test_cli.py checks that the two agree)
-MODES = ("block", "full", "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer")
+from .errors import OptionError, TrainingError
+
+
+def configuration_table(name: str) -> dict[str, tuple]:
+    """The rows of the table `name` in attnres/configuration_attnres.py, a dict of calls such as
+    `"llama": Family("llama", "Llama", ...)`, by key, each as its call's literal positional arguments.
+
+    They are read from the file's source, not imported: the configuration is the one declaration of the families and
+    the residual rules, and importing it loads torch (transformers' `PreTrainedConfig`), as does importing anything of
+    the `attnres` package, which `find_spec` locates without running its `__init__`.
+    """
+    configuration = Path(importlib.util.find_spec("attnres").origin).with_name("configuration_attnres.py")
+    statements = ast.parse(configuration.read_text(encoding="utf-8")).body
+    table = next(
+        statement.value
+        for statement in statements
+        if isinstance(statement, ast.Assign) and [getattr(target, "id", None) for target in statement.targets] == [name]
+    )
+    return {
+        ast.literal_eval(key): tuple(ast.literal_eval(argument) for argument in row.args)
+        for key, row in zip(table.keys, table.values, strict=True)
+    }
+
+
+SUPPORTED_FAMILIES = tuple(configuration_table("FAMILIES"))  # the source families, by model_type
+# The depth-mixing rules: name -> (label, sources, why it cannot start as the source computes; absent where it can)
+RESIDUAL_RULES = configuration_table("RESIDUAL_RULES")
+MODES = tuple(RESIDUAL_RULES)
+FROM_SCRATCH_ONLY = tuple(mode for mode, (_, _, *cannot_convert) in RESIDUAL_RULES.items() if cannot_convert)
 MODES_HELP = (
-    "the depth-mixing rule: block (Block AttnRes, the default), full (Full AttnRes), or one the paper compares them "
-    "with: prenorm, postnorm, rezero, layerscale, highway, denseformer (postnorm and highway cannot start as the "
-    "source computes: train them --from-scratch)"
+    "the depth-mixing rule (default: block): "
+    + "; ".join(f"{mode}, {label}" for mode, (label, *_) in RESIDUAL_RULES.items())
+    + f". {', '.join(FROM_SCRATCH_ONLY)} cannot start as the source computes: train them --from-scratch"
 )
 # dtypes a command line may ask for: of converted weights (`attnres convert`), and to evaluate in (auto: the
 # checkpoint's own)
@@ -51,19 +78,8 @@ TRUST_REMOTE_CODE_HELP = (
 ANALYSIS_TOKENS = 512
 # `attnres demo`; its steps are sized for about 9 minutes on an idle 2-core CPU, where one step takes about 7.5 s
 DEMO_DEFAULTS = {"output": Path("attnres-demo"), "steps": 40, "eval_limit": 10, "max_gen_toks": 128}
-# Restated so that this module imports nothing heavy (tests/test_cli.py checks it): accelerate's LoggerType values,
-# less "all"
-TRACKERS = ("aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
 # `--lr-scheduler` choices and the transformers schedule behind each
 SCHEDULERS = {"cosine": "cosine_with_min_lr", "wsd": "warmup_stable_decay", "constant": "constant_with_warmup"}
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot start or go on as asked; the message names the problem and the fix."""
-
-
-class OptionError(ValueError):
-    """An option whose value cannot work (a size, a count, a device, a file); the message names it and what to pass."""
 
 
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # as huggingface_hub reads --max-shard-size
@@ -80,6 +96,12 @@ def size_in_bytes(size: str) -> int:
     if value < 1:
         raise OptionError(f"--max-shard-size {size}: pass a size such as 500MB or 5GB (units {', '.join(SIZE_UNITS)})")
     return value
+
+
+def check_block_size(mode: str, block_size: int | None) -> None:
+    """`--block-size` counts the decoder layers in a block of Block AttnRes: OptionError with any other `--mode`."""
+    if mode != "block" and block_size is not None:
+        raise OptionError(f"--block-size sets the layers per block of Block AttnRes; --mode {mode} has none")
 
 
 @dataclass
@@ -223,8 +245,8 @@ class TrainingConfig:
     report_to: list[str] = field(
         default_factory=list,
         metadata={
-            "help": f"Accelerate trackers to log to as well: {', '.join(TRACKERS)}",
-            "choices": TRACKERS,
+            "help": "Accelerate trackers to log to as well (tensorboard, wandb, mlflow, ...: the names of "
+            "Accelerate's LoggerType)",
             "metavar": "TRACKER",
         },
     )
@@ -246,8 +268,7 @@ class TrainingConfig:
             raise TrainingError(
                 "--mode, --block-size and --from-scratch choose how --convert converts: add --convert, or drop them"
             )
-        if self.mode != "block" and self.block_size is not None:
-            raise TrainingError(f"--block-size sets the layers per block of Block AttnRes; --mode {self.mode} has none")
+        check_block_size(self.mode, self.block_size)
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
             raise TrainingError(
                 f"--stop-at-step must be between 1 and --max-steps ({self.max_steps}), got {self.stop_at_step}"
@@ -274,9 +295,3 @@ NUMBER_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "lora_dropout": (lambda value: 0 <= value < 1, "at least 0 and below 1"),
     "seed": (lambda value: 0 <= value < 2**32, "between 0 and 2**32 - 1"),
 }
-
-
-def parameters_from(args: argparse.Namespace, function: Callable) -> dict[str, Any]:
-    """The parsed options that `function` (or a dataclass) takes, by name: `--max-gen-toks` reaches `max_gen_toks`."""
-    parameters = inspect.signature(function).parameters
-    return {name: value for name, value in vars(args).items() if name in parameters}

@@ -2,18 +2,21 @@
 
 Parsing imports nothing heavy, so `attnres --help` and `attnres <command> --help` answer at once: each subcommand
 imports torch, transformers and the module that does its work only when it runs (`train` builds its options from
-`TrainingConfig` with transformers' `HfArgumentParser`, and imports nothing else). The options of the other
-subcommands are declared here; their choices and defaults come from `attnres.options`, as those of the modules behind
-them do.
+`TrainingConfig` with transformers' `HfArgumentParser`, and imports nothing else). That is why this module is not in
+the `attnres` package: importing any module of a package runs the package's `__init__` first, and `import attnres`
+registers the model classes with transformers' Auto classes, which loads torch. The options of the other subcommands
+are declared here; their choices and defaults come from `attnres_cli.options`, as those of the modules behind them do.
 
-Errors: a mistake the user can fix (a wrong path, a missing extra, a refused conversion, a full disk ...) is one line
-on stderr and exit status 1; anything else is a bug and shows its traceback. `--debug` (or ATTNRES_DEBUG=1) shows
-tracebacks for all, and the notices of other libraries that are not about the command, hidden otherwise.
+Errors: a mistake the user can fix (an `AttnResInputError`, see `attnres_cli.errors`; a path that does not exist, a
+missing extra, a full disk ...) is one line on stderr and exit status 1; anything else is a bug and shows its
+traceback. `--debug` (or ATTNRES_DEBUG=1) shows tracebacks for all, and the notices of other libraries that are not
+about the command, hidden otherwise.
 """
 
 import argparse
 import errno
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -23,9 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
-from .compat.argparse_private import DefaultsHelpFormatter
-from .folders import is_disk_full
+from .argparse_private import DefaultsHelpFormatter, option_actions
+from .errors import AttnResInputError, OptionError
 from .options import (
     ANALYSIS_TOKENS,
     CONVERT_DTYPES,
@@ -37,26 +39,17 @@ from .options import (
     FIXTURES,
     MODES,
     MODES_HELP,
+    SUPPORTED_FAMILIES,
     TASK_ALIASES,
     TRUST_REMOTE_CODE_HELP,
-    OptionError,
     TrainingConfig,
+    check_block_size,
     size_in_bytes,
 )
 
-# Errors whose message says what to fix, by (module, class): a module has been imported by the time it raises one.
-USER_ERRORS = (
-    ("attnres.configuration_attnres", "AttnResConfigError"),
-    ("attnres.sources", "ConversionError"),
-    ("attnres.options", "TrainingError"),
-    ("attnres.options", "OptionError"),
-    ("attnres.data", "DataError"),
-    ("attnres.eval.harness", "EvalError"),
-    ("attnres.hub", "HubUploadError"),
-    ("attnres.analysis", "AnalysisError"),
-    ("attnres.folders", "InterruptedReplaceError"),
-    ("attnres.compat", "PrivatePartMissing"),
-)
+# Mistakes a user can fix raised outside attnres_cli.errors, by (module, class): the model files' (remote code, which
+# imports nothing of ours); a module has been imported by the time it raises one
+MODEL_FILE_ERRORS = (("attnres.configuration_attnres", "AttnResConfigError"),)
 # The user's files and disks: a path that does not exist or cannot be read or written, a read-only disk (and a full
 # one: `is_disk_full`, which also knows the errors of writers that drop errno)
 USER_FILE_ERRORS = (FileNotFoundError, PermissionError)
@@ -270,13 +263,13 @@ def add_demo_count_argument(parser: argparse.ArgumentParser, name: str, help_tex
 COMMANDS = {
     "convert": Command(
         "convert a pretrained checkpoint into AttnRes that reproduces it exactly",
-        "Convert a standard pretrained checkpoint (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma3) into "
+        f"Convert a standard pretrained checkpoint of a supported family ({', '.join(SUPPORTED_FAMILIES)}) into "
         "Block (or Full) AttnRes that computes what the source computed, verify that on a fixed sample text, and save "
         "a self-contained folder (after `import attnres` it loads with the Auto classes; without the package, with "
         "trust_remote_code=True). Exits non-zero, writing nothing, when the source cannot be converted or "
         "verification fails.",
         add_convert_arguments,
-        "attnres.cli:run_convert",
+        "attnres_cli.command:run_convert",
         models=(("source", "gguf_file"),),
     ),
     "train": Command(
@@ -346,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     """`attnres` with every command; `train` only by name here (its options: `train_parser`)."""
     common = common_options()
     parser = argparse.ArgumentParser(prog="attnres", description=__doc__.split("\n\n")[0], parents=[common])
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('attnres')}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         if command.add_arguments is None:  # its own parser reads the options, and answers --help
@@ -362,13 +355,18 @@ def train_parser() -> argparse.ArgumentParser:
     `HfArgumentParser`, which reads each field's type, default and metadata (help, choices, metavar)."""
     from transformers.hf_argparser import HfArgumentParser
 
-    return HfArgumentParser(
+    parser = HfArgumentParser(
         TrainingConfig,
         formatter_class=DefaultsHelpFormatter,
         prog="attnres train",
         description=COMMANDS["train"].description,
         parents=[common_options()],
     )
+    for action in option_actions(parser):
+        # Both spellings parse (the parser maps each to its action); the help and the errors name the dashed one, as
+        # the other commands and the README do
+        action.option_strings = [option for option in action.option_strings if "_" not in option]
+    return parser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -387,9 +385,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from .conversion import DTYPES, convert_checkpoint
-    from .hub import push_folder
-    from .sources import has_tokenizer, resolve_source
+    from attnres.conversion import DTYPES, convert_checkpoint
+    from attnres.hub import push_folder
+    from attnres.sources import has_tokenizer, resolve_source
 
     source, gguf_file = resolve_source(args.source, args.gguf_file, offline=args.offline)
     report = convert_checkpoint(
@@ -428,9 +426,8 @@ def check_values(args: argparse.Namespace) -> None:
             raise OptionError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if getattr(args, "max_shard_size", None) is not None:
         size_in_bytes(args.max_shard_size)
-    mode = getattr(args, "mode", None)
-    if mode not in (None, "block") and getattr(args, "block_size", None) is not None:
-        raise OptionError(f"--block-size sets the layers per block of Block AttnRes; --mode {mode} has none")
+    if args.command == "convert":  # train's options check themselves (TrainingConfig)
+        check_block_size(args.mode, args.block_size)
     text = getattr(args, "text", None)
     if text is not None and not Path(text).is_file():
         raise OptionError(f"--text {text}: no such file")
@@ -445,7 +442,7 @@ def check_values(args: argparse.Namespace) -> None:
 def check_models(command: Command, args: argparse.Namespace) -> None:
     """Every model argument names a folder, `default`, or a reachable (offline: cached) Hub id, and needs no code of
     its own unless --trust-remote-code (see `trust_remote_code_for`), before any loads."""
-    from .sources import resolve_source, trust_remote_code_for
+    from attnres.sources import resolve_source, trust_remote_code_for
 
     for name, gguf_name in command.models:
         model = getattr(args, name)
@@ -486,7 +483,7 @@ def hiding(words: str) -> Callable[[logging.LogRecord], bool]:
 
 
 def run(args: argparse.Namespace, debug: bool) -> int:
-    from .sources import offline_mode
+    from attnres.sources import offline_mode
 
     command = COMMANDS[args.command]
     missing = [module for module in command.requires if importlib.util.find_spec(module) is None]
@@ -498,25 +495,28 @@ def run(args: argparse.Namespace, debug: bool) -> int:
         check_values(args)
         check_models(command, args)
         if getattr(args, "push_to_hub", None):  # before the conversion or the run whose result it uploads
-            from .hub import check_can_upload
+            from attnres.hub import check_can_upload
 
             check_can_upload(args.push_to_hub)
         return run_command(args)
 
 
-def user_error_classes() -> tuple[type[Exception], ...]:
-    return tuple(getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules)
-
-
 def is_user_error(error: BaseException) -> bool:
+    from attnres.folders import is_disk_full  # loaded by then: every command runs through `attnres.sources`
+
     disk_error = is_disk_full(error) or (isinstance(error, OSError) and error.errno in USER_DISK_ERRNOS)
-    return disk_error or isinstance(error, (*user_error_classes(), *USER_FILE_ERRORS))
+    model_file_errors = [
+        getattr(sys.modules[module], name) for module, name in MODEL_FILE_ERRORS if module in sys.modules
+    ]
+    return disk_error or isinstance(error, (AttnResInputError, *USER_FILE_ERRORS, *model_file_errors))
 
 
 def user_message(error: BaseException) -> str:
     """The one line of a user error: its message, which says what to do; a full disk that no command has described
     (the raw error of a writer) says it too."""
-    if is_disk_full(error) and not isinstance(error, user_error_classes()):
+    from attnres.folders import is_disk_full
+
+    if is_disk_full(error) and not isinstance(error, AttnResInputError):
         return f"the disk is full ({error}); free up space, or write to another disk"
     return str(error)
 
