@@ -337,7 +337,11 @@ class HyperConnection(nn.Module):
     the stream), beta = 2 sigmoid(0) = 1 and A = SinkhornKnopp(0), the uniform matrix 1/m, keep the copies equal to
     h + the sum of the outputs. One stream weighs twice each other in the read (stream `read_stream`, the sublayer's
     index mod m): Hyper-Connections start each layer reading its own stream (e_{k mod n}), which breaks the symmetry
-    between the copies that would otherwise keep them equal through training.
+    between the copies that would otherwise keep them equal through training. b_res = 0 is DeepSeek-V4's init of the
+    mix (its transformers port): any doubly stochastic matrix would keep equal copies equal, but one leaning hard to
+    the identity (Hyper-Connections' A_r = I) is where 20 Sinkhorn-Knopp iterations stop short of doubly stochastic
+    once the projection moves it (rows off by 5e-3 after a few training steps, measured), where around 1/m they
+    converge to float precision.
     """
 
     INITIAL_GATE = 0.01  # the gating factors' init (mHC paper, Table 5)

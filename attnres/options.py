@@ -15,10 +15,10 @@ from typing import Any
 
 # Restated from configuration_attnres.py, which travels with saved models and so imports nothing of this package
 # (tests/test_cli.py checks that the two agree)
-MODES = ("block", "full", "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer")
+MODES = ("block", "full", "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer", "mhc")
 MODES_HELP = (
     "the depth-mixing rule: block (Block AttnRes, the default), full (Full AttnRes), or one the paper compares them "
-    "with: prenorm, postnorm, rezero, layerscale, highway, denseformer (postnorm and highway cannot start as the "
+    "with: prenorm, postnorm, rezero, layerscale, highway, denseformer, mhc (postnorm and highway cannot start as the "
     "source computes: train them --from-scratch)"
 )
 # dtypes a command line may ask for: of converted weights (`attnres convert`), and to evaluate in (auto: the
