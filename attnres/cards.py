@@ -14,7 +14,7 @@ from transformers import PreTrainedConfig
 
 from . import __version__
 from .auto import added_parameter_count
-from .configuration_attnres import AttnResConfig
+from .configuration_attnres import ATTNRES_MODES, RESIDUAL_RULES, AttnResConfig
 from .modeling_attnres import AttnResForCausalLM
 from .sources import DEFAULT_MODEL_GGUF_FILE, DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE
 from .verification import VerificationReport
@@ -116,9 +116,12 @@ def conversion_record(
 
 
 def describe_layout(config: AttnResConfig) -> str:
-    """Which decoder layers open each block, and how many sources the output aggregation attends over."""
+    """The depth-mixing rule; for AttnRes, which decoder layers open each block, and how many sources the output
+    aggregation attends over."""
     num_layers = config.text_config.num_hidden_layers
     num_output_sources = config.num_sources()[-1]
+    if config.attnres_mode not in ATTNRES_MODES:
+        return f"{RESIDUAL_RULES[config.attnres_mode].label}, over {num_layers} decoder layers (not AttnRes)."
     if config.attnres_mode == "full":
         return (
             f"Full AttnRes: each of the {2 * num_layers} sublayer outputs is a source of its own; the output "

@@ -167,10 +167,10 @@ class ResidualRule:
     """One row of the depth-mixing rules: what a sublayer's input is formed from, and whether the rule can start as
     the source's plain residual stream (which conversion needs). How each rule reads and writes is depth_mixing.py's.
 
-    `sources`: "stream", one running representation (the recurrences); "blocks", the token embedding, the sums of the
-    completed blocks and the partial sum of the current one (Block AttnRes); "outputs", the embedding and every
-    sublayer output (Full AttnRes, DenseFormer). `converts`: None where the rule starts as the plain stream, else why
-    it cannot.
+    `sources`: "stream", one running representation (the recurrences; mHC's m streams); "blocks", the token
+    embedding, the sums of the completed blocks and the partial sum of the current one (Block AttnRes); "outputs", the
+    embedding and every sublayer output (Full AttnRes, DenseFormer). `converts`: None where the rule starts as the
+    plain stream, else why it cannot.
     """
 
     label: str
@@ -193,6 +193,7 @@ RESIDUAL_RULES = {
         "its gate mixes the stream and the sublayer output as (1 - g) h + g f, which is never the plain sum h + f",
     ),
     "denseformer": ResidualRule("DenseFormer (learned static weights over every earlier output)", "outputs"),
+    "mhc": ResidualRule("mHC (m residual streams, mixed by doubly stochastic matrices)", "stream"),
 }
 MODES = tuple(RESIDUAL_RULES)
 ATTNRES_MODES = ("block", "full")  # the rules whose sublayers mix by depth attention
@@ -255,7 +256,10 @@ class AttnResConfig(PreTrainedConfig):
             sublayer, by that sublayer's input norm), `"rezero"` and `"layerscale"` (each sublayer output scaled by a
             learned scalar or per-channel vector), `"highway"` (a per-token gate g = sigmoid(w . h/rms(h) + b) between
             the stream and the output), `"denseformer"` (each sublayer input a learned weighted sum of the embedding
-            and every earlier output, weights 1 at init).
+            and every earlier output, weights 1 at init). `"mhc"`: manifold-constrained hyper-connections (DeepSeek,
+            arXiv 2512.24880): `attnres_num_streams` residual streams, each sublayer reading a learned mix of them and
+            writing its output into each with its own weight, the streams mixed by a per-token doubly stochastic
+            matrix (Sinkhorn-Knopp); it starts as the plain residual stream.
         attnres_block_size (`int`, *optional*):
             Decoder layers per block for `"block"` mode (the paper's `block_size` counts sublayers: it is twice this).
             Blocks start at the decoder layers whose 0-based index is a multiple of it. Defaults to
@@ -282,6 +286,10 @@ class AttnResConfig(PreTrainedConfig):
             does not keep its output either, and recomputes the sublayer's input norm with it, so that a layer keeps
             what the source's layer keeps. Read at every forward, like `use_cache`: setting it on a loaded model's
             config takes effect.
+        attnres_num_streams (`int`, defaults to 4):
+            The number m of residual streams of `"mhc"` mode (the paper's expansion rate n), at least 2. Each
+            sublayer's projection holds (m + 2) * m^2 * hidden_size parameters (96 * hidden_size at m = 4). Ignored
+            by the other rules.
         attnres_saved_layout (`dict`, *optional*):
             Written by `save_pretrained`, not set by hand: the depth layout (`depth_layout()`) of the weights saved
             beside this config. Loading a config.json whose `attnres_mode` or `attnres_block_size` was edited away
@@ -300,6 +308,7 @@ class AttnResConfig(PreTrainedConfig):
     attnres_scale_by_num_sources: bool = False
     attnres_scale_init: float | None = None
     attnres_recompute: bool = False
+    attnres_num_streams: int = 4
     attnres_saved_layout: dict | None = None
     tie_word_embeddings: bool = False
 
@@ -324,6 +333,11 @@ class AttnResConfig(PreTrainedConfig):
                 f"attnres_block_size: got {self.attnres_block_size!r}, expected an integer number of decoder layers "
                 f"per block from 1 to num_hidden_layers={num_layers}."
             )
+        if not isinstance(self.attnres_num_streams, int) or self.attnres_num_streams < 2:
+            raise AttnResConfigError(
+                f"attnres_num_streams: got {self.attnres_num_streams!r}, expected an integer number of mHC residual "
+                "streams of at least 2 (one stream is the plain residual stream: attnres_mode='prenorm')."
+            )
         if self.attnres_eps is None:
             self.attnres_eps = self.text_config.rms_norm_eps
         if not self.attnres_eps > 0:
@@ -331,10 +345,13 @@ class AttnResConfig(PreTrainedConfig):
         self._check_saved_layout()
 
     def depth_layout(self) -> dict:
-        """The settings that decide what trained weights compute: the rule, and for Block AttnRes its block size."""
+        """The settings that decide what trained weights compute: the rule, and for Block AttnRes its block size, for
+        mHC its number of streams."""
         layout = {"attnres_mode": self.attnres_mode}
         if RESIDUAL_RULES[self.attnres_mode].sources == "blocks":
             layout["attnres_block_size"] = self.attnres_block_size
+        if self.attnres_mode == "mhc":
+            layout["attnres_num_streams"] = self.attnres_num_streams
         return layout
 
     def _check_saved_layout(self) -> None:
@@ -343,7 +360,8 @@ class AttnResConfig(PreTrainedConfig):
         if saved is None or saved == layout:
             return
         # The rule first: under another rule the block size means nothing
-        key = next(key for key in ("attnres_mode", "attnres_block_size") if saved.get(key) != layout.get(key))
+        keys = ("attnres_mode", "attnres_block_size", "attnres_num_streams")
+        key = next(key for key in keys if saved.get(key) != layout.get(key))
         edited, made_with = f"{key}={layout[key]!r}", f"{key}={saved.get(key)!r}"
         raise AttnResConfigError(
             f"config.json says {edited}, but the weights saved with it were made with {made_with} "

@@ -17,7 +17,9 @@ weights as remote code, with modeling_attnres.py: it imports only torch and the 
 """
 
 import contextlib
+import math
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -91,7 +93,8 @@ class DepthState(NamedTuple):
 
     completed_blocks: tuple[torch.Tensor, ...]  # n x [B,T,d]
     completed_inv_rms: torch.Tensor  # [B,T,n] fp32 (or wider)
-    partial_sum: torch.Tensor | None  # [B,T,d]; None from the closing of a block to the next sublayer output
+    # [B,T,d] (mHC: its m residual streams [B,T,m,d]); None from the closing of a block to the next sublayer output
+    partial_sum: torch.Tensor | None
 
     def close_block(self, eps: float) -> "DepthState":
         """The partial sum becomes a completed block; the next sublayer output starts a new one."""
@@ -317,6 +320,110 @@ class SourceWeights(nn.Module):
         return self.weight
 
 
+class HyperConnection(nn.Module):
+    """mHC's connection of one sublayer to the m residual streams H [B,T,m,d] (paper Eqs. 7-8), or, with
+    `writes=False`, the output aggregation's read of them.
+
+    From the streams, RMS-normalised and flattened (x [B,T,m*d]), each coefficient is a gated projection plus a
+    static bias, constrained:
+
+        alpha = sigmoid(g_pre * (x . phi_pre) + b_pre)          [m]    the read: input = norm(sum_j alpha_j H_j)
+        beta = 2 sigmoid(g_post * (x . phi_post) + b_post)      [m]    the write: H_i <- sum_j A_ij H_j + beta_i y
+        A = SinkhornKnopp(g_res * mat(x . phi_res) + b_res)     [m,m]  doubly stochastic
+
+    `weight` holds phi (pre rows, then post, then res; zero at init, as Hyper-Connections initialise their dynamic
+    projections), `gate` the gating factors g (pre, post, res; the paper's 0.01 at init) and `bias` b. The biases start
+    the model as its plain residual stream: with every stream a copy of the embedding, alpha sums to 1 (so the read is
+    the stream), beta = 2 sigmoid(0) = 1 and A = SinkhornKnopp(0), the uniform matrix 1/m, keep the copies equal to
+    h + the sum of the outputs. One stream weighs twice each other in the read (stream `read_stream`, the sublayer's
+    index mod m): Hyper-Connections start each layer reading its own stream (e_{k mod n}), which breaks the symmetry
+    between the copies that would otherwise keep them equal through training. b_res = 0 is DeepSeek-V4's init of the
+    mix (its transformers port): any doubly stochastic matrix would keep equal copies equal, but one leaning hard to
+    the identity (Hyper-Connections' A_r = I) is where 20 Sinkhorn-Knopp iterations stop short of doubly stochastic
+    once the projection moves it (rows off by 5e-3 after a few training steps, measured), where around 1/m they
+    converge to float precision.
+    """
+
+    INITIAL_GATE = 0.01  # the gating factors' init (mHC paper, Table 5)
+    SINKHORN_ITERATIONS = 20  # t_max of the paper
+
+    def __init__(self, hidden_size: int, num_streams: int, read_stream: int, writes: bool, eps: float):
+        super().__init__()
+        self.num_streams, self.read_stream, self.writes, self.eps = num_streams, read_stream, writes, eps
+        rows = num_streams * (2 + num_streams) if writes else num_streams
+        self.weight = nn.Parameter(torch.zeros(rows, num_streams * hidden_size))
+        self.gate = nn.Parameter(torch.full((3 if writes else 1,), self.INITIAL_GATE))
+        self.bias = nn.Parameter(self.initial_bias())
+
+    def initial_bias(self) -> torch.Tensor:
+        """b at init: the read's logits give alpha = 2/(m+1) to `read_stream` and 1/(m+1) to each other stream; the
+        write's are zero."""
+        streams = self.num_streams
+        read = torch.full((streams,), -math.log(streams))  # sigmoid(-log m) = 1/(m+1)
+        read[self.read_stream] = math.log(2 / (streams - 1))  # sigmoid = 2/(m+1)
+        return torch.cat([read, torch.zeros(streams * (1 + streams))]) if self.writes else read
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(phi, g, b): read in a module call, for hooks (see `AttnResPseudoQuery`)"""
+        return self.weight, self.gate, self.bias
+
+
+def sinkhorn_knopp(logits: torch.Tensor, iterations: int) -> torch.Tensor:
+    """[..., m, m] logits -> doubly stochastic matrices: exp, then rows and columns normalised in turn (the last
+    normalisation makes the columns sum to 1 exactly, the rows to within the iterations' convergence)."""
+    matrix = (logits - logits.amax(dim=(-2, -1), keepdim=True)).exp()  # shifted: the same matrix, without overflow
+    for _ in range(iterations):
+        matrix = matrix / matrix.sum(dim=-1, keepdim=True)
+        matrix = matrix / matrix.sum(dim=-2, keepdim=True)
+    return matrix
+
+
+def normalized_streams(streams: torch.Tensor, eps: float) -> torch.Tensor:
+    """[B,T,m,d] -> the streams flattened and RMS-normalised without a gain, x [B,T,m*d] fp32 (or wider)"""
+    flat = streams.flatten(-2)
+    return upcast(flat) * inverse_rms(flat, eps).unsqueeze(-1)
+
+
+def read_streams(
+    streams: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mHC's read: sum_j alpha_j H_j. -> [B,T,d] in the streams' dtype, alpha [B,T,m] fp32"""
+    num_streams = streams.shape[-2]
+    with fp32_region(streams):
+        logits = normalized_streams(streams, eps) @ upcast(weight[:num_streams]).T  # [B,T,m]
+        alpha = torch.sigmoid(logits * upcast(gate[0]) + upcast(bias[:num_streams]))
+        read = (alpha.unsqueeze(-2).to(streams.dtype) @ streams).squeeze(-2)
+    return read, alpha
+
+
+def write_coefficients(
+    streams: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mHC's write coefficients, from the streams [B,T,m,d] the sublayer read. -> beta [B,T,m], A [B,T,m,m], fp32"""
+    num_streams = streams.shape[-2]
+    with fp32_region(streams):
+        logits = normalized_streams(streams, eps) @ upcast(weight[num_streams:]).T  # [B,T,m + m*m]
+        post_logits, residual_logits = logits.split([num_streams, num_streams**2], dim=-1)
+        post_bias, residual_bias = upcast(bias[num_streams:]).split([num_streams, num_streams**2])
+        beta = 2 * torch.sigmoid(post_logits * upcast(gate[1]) + post_bias)
+        residual_logits = (residual_logits * upcast(gate[2]) + residual_bias).unflatten(-1, (num_streams, num_streams))
+        return beta, sinkhorn_knopp(residual_logits, HyperConnection.SINKHORN_ITERATIONS)
+
+
+def write_streams(
+    streams: torch.Tensor,
+    output: torch.Tensor,
+    weight: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """mHC's write of a sublayer's output y [B,T,d]: H_i <- sum_j A_ij H_j + beta_i y. -> [B,T,m,d]"""
+    beta, residual = write_coefficients(streams, weight, gate, bias, eps)
+    dtype = streams.dtype
+    return torch.addcmul(residual.to(dtype) @ streams, beta.to(dtype).unsqueeze(-1), output.unsqueeze(-2))
+
+
 Head = tuple[nn.Module, ...]  # the modules one sublayer's rule learns, in the order of the rule's `parts`
 
 
@@ -336,9 +443,14 @@ class DepthRule:
         """The parts of the output aggregation's head: only a rule that weighs sources weighs them there too."""
         return self.parts if self.mixes_sources else ()
 
-    def heads(self, config, sources: int) -> dict[str, nn.Module]:
-        """The modules of one sublayer that mixes `sources` sources."""
+    def heads(self, config, sources: int, sublayer: int) -> dict[str, nn.Module]:
+        """The modules of sublayer `sublayer` (A0 = 0, M0 = 1, ..., the output aggregation 2 * num_hidden_layers),
+        which mixes `sources` sources."""
         return {}
+
+    def start(self, config, embedding: torch.Tensor) -> torch.Tensor:
+        """The depth state's stream before layer 0, from the token embedding [B,T,d]: the embedding itself."""
+        return embedding
 
     def score(self, depth: DepthState, heads: tuple[Head, ...]) -> tuple[torch.Tensor | None, ...]:
         """Work that several sublayers reading the same depth state share (AttnRes's phase 1); one entry per head."""
@@ -365,7 +477,7 @@ class AttnResRule(DepthRule):
     parts = ("proj", "norm")
     mixes_sources = True
 
-    def heads(self, config, sources: int) -> dict[str, nn.Module]:
+    def heads(self, config, sources, sublayer):
         hidden_size = config.text_config.hidden_size
         return {"proj": AttnResPseudoQuery(hidden_size), "norm": AttnResKeyNorm(hidden_size, config.attnres_eps)}
 
@@ -406,7 +518,7 @@ class ScaledOutputRule(DepthRule):
         layers = config.text_config.num_hidden_layers
         return 0.1 if layers <= 18 else 1e-5 if layers <= 24 else 1e-6  # CaiT's rule by depth
 
-    def heads(self, config, sources):
+    def heads(self, config, sources, sublayer):
         shape = (config.text_config.hidden_size,) if self.per_channel else (1,)  # [1], not a scalar: FSDP2 shards dim 0
         return {"scale": ResidualScale(shape, self.initial_scale(config))}
 
@@ -420,7 +532,7 @@ class HighwayRule(DepthRule):
 
     parts = ("gate",)
 
-    def heads(self, config, sources):
+    def heads(self, config, sources, sublayer):
         return {"gate": HighwayGate(config.text_config.hidden_size, config.attnres_eps)}
 
     def write(self, depth, output, head, norm):
@@ -436,7 +548,7 @@ class DenseFormerRule(DepthRule):
     parts = ("weights",)
     mixes_sources = True
 
-    def heads(self, config, sources):
+    def heads(self, config, sources, sublayer):
         return {"weights": SourceWeights(sources)}
 
     def read(self, depth, head, norm, scores, flags):
@@ -450,6 +562,49 @@ class DenseFormerRule(DepthRule):
         return norm(mixed), weights.float().expand(*mixed.shape[:-1], -1)
 
 
+class HyperConnectionRule(DepthRule):
+    """mHC (DeepSeek, arXiv 2512.24880), on Hyper-Connections (Zhu et al., ICLR 2025): the depth state is m residual
+    streams [B,T,m,d], each a copy of the token embedding before layer 0. Each sublayer reads norm(sum_j alpha_j H_j)
+    and writes H_i <- sum_j A_ij H_j + beta_i y, its coefficients computed from the streams by its `HyperConnection`;
+    the output reads the streams as a sublayer does (a learned alpha, as DeepSeek-V4's mHC head), then the final norm.
+    Every coefficient is per token: generation with the KV cache computes what a full forward does.
+    """
+
+    parts = ("connection",)
+
+    @property
+    def output_parts(self) -> tuple[str, ...]:
+        return self.parts  # the output's learned read of the streams
+
+    def heads(self, config, sources, sublayer):
+        num_streams, num_sublayers = config.attnres_num_streams, 2 * config.text_config.num_hidden_layers
+        connection = HyperConnection(
+            config.text_config.hidden_size,
+            num_streams,
+            sublayer % num_streams,
+            sublayer < num_sublayers,
+            config.attnres_eps,
+        )
+        return {"connection": connection}
+
+    def start(self, config, embedding):
+        return embedding.unsqueeze(-2).expand(*embedding.shape[:-1], config.attnres_num_streams, -1)
+
+    def read(self, depth, head, norm, scores, flags):
+        (connection,) = head
+        streams = depth.partial_sum
+        parameters = [parameter.to(streams.device) for parameter in connection()]  # see score_completed_blocks
+        read, _ = recomputed(partial(read_streams, eps=connection.eps), streams, *parameters)
+        return norm(read), None
+
+    def write(self, depth, output, head, norm):
+        (connection,) = head
+        streams = depth.partial_sum
+        parameters = [parameter.to(streams.device) for parameter in connection()]
+        streams = recomputed(partial(write_streams, eps=connection.eps), streams, output, *parameters)
+        return DepthState(depth.completed_blocks, depth.completed_inv_rms, streams)
+
+
 DEPTH_RULES = {
     "block": AttnResRule(),
     "full": AttnResRule(),
@@ -459,4 +614,5 @@ DEPTH_RULES = {
     "layerscale": ScaledOutputRule(per_channel=True),
     "highway": HighwayRule(),
     "denseformer": DenseFormerRule(),
+    "mhc": HyperConnectionRule(),
 }

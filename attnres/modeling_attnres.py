@@ -39,6 +39,7 @@ from .depth_mixing import (
     AttnResPseudoQuery,
     DepthState,
     HighwayGate,
+    HyperConnection,
     ResidualScale,
     SourceWeights,
 )
@@ -159,7 +160,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     """One decoder layer of the source family (its own attention, MLP and norms), fed by depth attention.
 
     The depth state between layers travels as the call's positional tensors (see `DepthState`): `partial_sum` [B,T,d],
-    the running sum of the current block (before layer 0: the embedding, which layer 0 closes as b_0);
+    the running sum of the current block (before layer 0: the embedding, which layer 0 closes as b_0; mHC: its m
+    residual streams [B,T,m,d]);
     `completed_inv_rms` [B,T,n] and `*completed_blocks` [B,T,d] each, the completed blocks (in Full mode every
     sublayer output), each kept once and read by every later layer.
     """
@@ -177,7 +179,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.rule = DEPTH_RULES[config.attnres_mode]
         sources = config.num_sources()
         for sublayer, index in (("self_attention", 2 * layer_idx), ("mlp", 2 * layer_idx + 1)):
-            for part, module in self.rule.heads(config, sources[index]).items():
+            for part, module in self.rule.heads(config, sources[index], index).items():
                 self.add_module(f"{sublayer}_res_{part}", module)
         self.attention_starts_block = config.sublayer_starts_block(2 * layer_idx)
         self.mlp_starts_block = config.sublayer_starts_block(2 * layer_idx + 1)
@@ -293,7 +295,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_compile_fullgraph = True
     _can_record_outputs = {
-        "hidden_states": OutputRecorder(AttnResDecoderLayer, index=0),  # the partial sum after each layer
+        "hidden_states": OutputRecorder(
+            AttnResDecoderLayer, index=0
+        ),  # the partial sum (mHC: streams) after each layer
         "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
         "router_logits": [  # the router of an MoE layer: `mlp.gate` (Qwen3-MoE, Mixtral, DeepSeek-V3), `mlp.router`
             OutputRecorder(None, index=0, class_name="mlp.gate"),
@@ -333,6 +337,10 @@ class AttnResPreTrainedModel(PreTrainedModel):
         elif isinstance(module, HighwayGate):
             init.zeros_(module.weight)
             init.constant_(module.bias, HighwayGate.INITIAL_BIAS)
+        elif isinstance(module, HyperConnection):
+            init.zeros_(module.weight)
+            init.constant_(module.gate, HyperConnection.INITIAL_GATE)
+            init.copy_(module.bias, module.initial_bias())
         else:
             family_model_cls = family_class(family_of(self.config), "PreTrainedModel")
             init_weights_as_family(family_model_cls, self.config.text_config, module)
@@ -360,7 +368,8 @@ class AttnResModel(AttnResPreTrainedModel):
         # The final aggregation over all blocks, before the final norm (paper §3.2, A1): `output_attn_res_<part>`
         self.rule = DEPTH_RULES[config.attnres_mode]
         if self.rule.output_parts:
-            for part, module in self.rule.heads(config, config.num_sources()[-1]).items():
+            output_index = 2 * text_config.num_hidden_layers
+            for part, module in self.rule.heads(config, config.num_sources()[-1], output_index).items():
                 self.add_module(f"output_attn_res_{part}", module)
         self.norm = family_class(family, "RMSNorm")(hidden_size, eps=text_config.rms_norm_eps)
         self.rotary_emb = family_class(family, "RotaryEmbedding")(config=text_config)
@@ -422,7 +431,8 @@ class AttnResModel(AttnResPreTrainedModel):
             shared = self.rotary_emb(inputs_embeds, position_ids)
             position_embeddings = {t: shared for t in set(layer_types)}
 
-        partial_sum = inputs_embeds  # layer 0 starts the first block: the embedding becomes b_0
+        # The embedding (mHC: m copies of it); layer 0 starts the first block: the embedding becomes b_0
+        partial_sum = self.rule.start(self.config, inputs_embeds)
         completed_inv_rms = inputs_embeds.new_empty(*inputs_embeds.shape[:-1], 0, dtype=torch.float32)  # [B,T,0]
         completed_blocks = ()
         depth_weights = []

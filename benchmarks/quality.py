@@ -141,6 +141,7 @@ RULES = {
     "layerscale": "LayerScale",
     "highway": "Highway",
     "denseformer": "DenseFormer",
+    "mhc": "mHC",
 }
 TABLE4_RULES = {"small": tuple(RULES), "base": ("prenorm", "block", "full")}
 LONG_RULES = ("prenorm", "block", "full")
