@@ -58,6 +58,7 @@ def test_converted_model_looks_uniformly_and_matches_its_baseline(family, tmp_pa
     assert report["loss"]["attnres"] == pytest.approx(report["loss"]["baseline"], abs=1e-5)
 
 
+@pytest.mark.slow  # 300 training steps
 def test_training_moves_depth_weights_away_from_uniform(tmp_path):
     torch.manual_seed(0)
     model = attnres_twin(tiny_source_model("llama", num_layers=4), attnres_block_size=1).train()

@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 import torch
-from tiny import attnres_twin, random_ids, tiny_source_model
+from tiny import attnres_twin, family_params, random_ids, tiny_source_model
 from transformers import AttentionInterface, AttentionMaskInterface, AutoModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
@@ -50,7 +50,7 @@ def test_attention_backend_support_is_declared():
     assert attnres.AttnResModel.is_backend_compatible()
 
 
-@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+@pytest.mark.parametrize("family", family_params(SUPPORTED_FAMILIES))
 def test_every_layer_calls_the_registered_attention_with_the_call_kwargs(family):
     model = attnres_twin(tiny_source_model(family, num_layers=NUM_LAYERS), seed=1, attnres_block_size=2)
     ids = random_ids(length=12)  # longer than the tiny sliding windows (6)

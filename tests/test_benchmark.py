@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from test_memory import overhead
 
+pytestmark = pytest.mark.slow  # the fast tier skips this file; CI runs it
+
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
 BENCHMARKS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 

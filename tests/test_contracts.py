@@ -206,6 +206,7 @@ def test_each_module_reads_only_its_arguments_and_parameters(
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # torch.compile: 10 to 30 s a case
 @pytest.mark.parametrize("mode, recompute", [("block", False), ("full", False), ("block", True)])
 def test_compiled_fullgraph_forward_and_training_step_equal_eager(mode, recompute, one_thread):
     torch._dynamo.reset()
@@ -222,6 +223,7 @@ def test_compiled_fullgraph_forward_and_training_step_equal_eager(mode, recomput
     assert_gradients_close(eager, gradients(model), 1e-5)
 
 
+@pytest.mark.slow  # torch.compile
 @pytest.mark.parametrize("mode", MODES)
 def test_static_cache_compiled_generation_equals_eager(mode, one_thread):
     torch._dynamo.reset()

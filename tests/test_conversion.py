@@ -2,12 +2,14 @@
 GGUF), reload as remote code without the package, upload to the Hub, and fail cleanly, writing nothing."""
 
 import copy
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from hub_stub import HubStub
 from safetensors import safe_open
 from tiny import (
     VOCAB,
+    family_params,
     randomize_depth_parameters,
     run_cli,
     tiny_gemma3_multimodal,
@@ -82,23 +85,26 @@ class Converted:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> dict[str, Converted]:
-    """Every family's tiny checkpoint, saved to disk and converted with `attnres convert SOURCE OUTPUT_DIR`."""
+def converted(tmp_path_factory) -> Callable[[str], Converted]:
+    """A family's tiny checkpoint, saved to disk and converted with `attnres convert SOURCE OUTPUT_DIR`, once per
+    module, when a test first asks for it (the fast tier asks for a few)."""
     root = tmp_path_factory.mktemp("families")
-    results = {}
-    for name in SOURCES:
+
+    @functools.cache
+    def convert(name: str) -> Converted:
         source_dir = save_checkpoint(
             tiny_source(name), root / f"{name}-source", CHECKPOINT_FORMATS.get(name, "safetensors")
         )
         output_dir = root / f"{name}-attnres"
         exit_code, output, error = run_cli("convert", source_dir, output_dir, "--max-shard-size", "200KB")
-        results[name] = Converted(source_dir, output_dir, exit_code, output + error)
-    return results
+        return Converted(source_dir, output_dir, exit_code, output + error)
+
+    return convert
 
 
-@pytest.mark.parametrize("name", SOURCES)
+@pytest.mark.parametrize("name", family_params(SOURCES))
 def test_cli_conversion_passes_verification(converted, name):
-    result = converted[name]
+    result = converted(name)
     assert result.exit_code == 0, result.output
     assert "verification passed" in result.output
     files = {path.name for path in result.output_dir.iterdir()}
@@ -131,19 +137,20 @@ def saved_keys(folder: Path) -> set[str]:
 
 def test_moe_experts_are_fused_through_the_source_class(converted):
     # On disk the Mixtral source is per expert (w1/w2/w3); the converted model keeps transformers' fused layout.
-    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in saved_keys(converted["mixtral"].source_dir)
-    assert "model.layers.0.mlp.experts.gate_up_proj" in saved_keys(converted["mixtral"].output_dir)
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in saved_keys(converted("mixtral").source_dir)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in saved_keys(converted("mixtral").output_dir)
 
 
+@pytest.mark.slow
 def test_convert_to_attnres_from_a_checkpoint_path(converted):
-    source_dir = converted["qwen3_moe"].source_dir
+    source_dir = converted("qwen3_moe").source_dir
     model = convert_to_attnres(source_dir, block_size=2)
     report = verify_conversion(load_source(source_dir), model, tiny_tokenizer())
     assert model.config.attnres_block_size == 2 and report.passed, report.format()
 
 
 def test_gemma3_multimodal_converts_its_text_model(converted):
-    output_dir = converted["gemma3_multimodal"].output_dir
+    output_dir = converted("gemma3_multimodal").output_dir
     config = json.loads((output_dir / "config.json").read_text())
     assert config["text_config"]["model_type"] == "gemma3_text"
     keys = saved_keys(output_dir)
@@ -151,15 +158,16 @@ def test_gemma3_multimodal_converts_its_text_model(converted):
     assert not [key for key in keys if "vision" in key or "multi_modal" in key or "language_model" in key]
 
 
+@pytest.mark.slow
 def test_converted_folders_load_as_remote_code_without_the_package(converted, tmp_path):
     # The source's own tokenizer and the converted folder's model, loaded here with the package's classes ...
-    text, expected = SAMPLE_TEXT[:200], {}
-    for name, result in converted.items():
+    text, expected, every_family = SAMPLE_TEXT[:200], {}, {name: converted(name) for name in SOURCES}
+    for name, result in every_family.items():
         input_ids = AutoTokenizer.from_pretrained(result.source_dir)(text, return_tensors="pt").input_ids
         with torch.no_grad():
             expected[name] = (input_ids, AutoModelForCausalLM.from_pretrained(result.output_dir)(input_ids).logits)
     torch.save(expected, tmp_path / "expected.pt")
-    folders = {name: str(result.output_dir) for name, result in converted.items()}
+    folders = {name: str(result.output_dir) for name, result in every_family.items()}
     # ... against a fresh Python where `import attnres` fails: only the remote code saved with the weights can run.
     script = textwrap.dedent(
         f"""
@@ -183,7 +191,7 @@ def test_converted_folders_load_as_remote_code_without_the_package(converted, tm
     child = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
     diffs = json.loads(child.stdout.strip().splitlines()[-1])
-    assert diffs.keys() == converted.keys()
+    assert diffs.keys() == every_family.keys()
     assert max(diffs.values()) <= 1e-6, diffs
 
 
@@ -205,7 +213,7 @@ print(tokenizer("Four score").input_ids)
     "trust_remote_code=True, as the model card says.",
 )
 def test_converted_tokenizer_loads_with_plain_auto_tokenizer_without_a_prompt(converted):
-    folder = converted["llama"].output_dir
+    folder = converted("llama").output_dir
     child = subprocess.run(
         [sys.executable, "-c", PLAIN_TOKENIZER_LOAD, folder],
         stdin=subprocess.DEVNULL,  # a prompt reads end-of-file at once instead of waiting

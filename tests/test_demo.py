@@ -19,7 +19,7 @@ from attnres_cli.command import parse_args
 TINY_DEMO = dict(steps=4, eval_limit=2, max_gen_toks=8, seq_len=32, batch_size=2, max_eval_sequences=4)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

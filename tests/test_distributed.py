@@ -51,7 +51,7 @@ BF16_LOSS_TOLERANCE = 6e-2
 BF16_WEIGHT_TOLERANCE = 0.05
 TOLERANCES = {"no": (LOSS_TOLERANCE, WEIGHT_TOLERANCE), "bf16": (BF16_LOSS_TOLERANCE, BF16_WEIGHT_TOLERANCE)}
 
-pytestmark = pytest.mark.usefixtures("one_thread", "datasets_cache")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread", "datasets_cache")]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from tiny import attnres_twin, random_ids, tiny_source_model, tiny_tokenizer
+from tiny import attnres_twin, family_params, random_ids, tiny_source_model, tiny_tokenizer
 from transformers import AutoConfig
 
 from attnres.configuration_attnres import SUPPORTED_FAMILIES
@@ -32,7 +32,7 @@ def perturbed_source(family: str, num_layers: int = 5, **overrides):
     return source
 
 
-@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+@pytest.mark.parametrize("family", family_params(SUPPORTED_FAMILIES))
 def test_conversion_reproduces_the_source_within_its_noise(family):
     """Logits within 4x the source's own float noise (fp32), the same NLL, and 24 greedy tokens generated with the
     cache identical to the source's own (`verify_conversion`)."""
@@ -48,7 +48,7 @@ def test_conversion_reproduces_the_source_within_its_noise(family):
     assert report.noise_implementations is not None  # calibrated on the source, not a bare float32 step
 
 
-@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+@pytest.mark.parametrize("family", family_params(SUPPORTED_FAMILIES))
 def test_cache_and_two_phase_change_nothing(family):
     """With trained-looking (random) depth parameters: greedy generation with the cache equals generation without it,
     and the two-phase path gives the naive path's logits and gradients up to float32 rounding."""
@@ -96,7 +96,7 @@ def error_against(exact_logits: torch.Tensor, exact: dict, logits: torch.Tensor,
     return max(relative_error(logits, exact_logits), *(relative_error(grads[name], exact[name]) for name in exact))
 
 
-@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+@pytest.mark.parametrize("family", family_params(SUPPORTED_FAMILIES))
 def test_training_steps_lower_the_loss(family):
     model = convert_to_attnres(perturbed_source(family), block_size=2).train()
     ids = random_ids(batch=4, length=16)

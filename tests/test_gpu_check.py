@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the fast tier skips this file; CI runs it
+
 SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_check.sh"
 
 

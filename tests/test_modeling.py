@@ -11,7 +11,7 @@ from functools import partial
 
 import pytest
 import torch
-from tiny import VOCAB, attnres_twin, tiny_source_config, tiny_source_model
+from tiny import VOCAB, attnres_twin, family_params, tiny_source_config, tiny_source_model
 from tiny import random_ids as tiny_random_ids
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
@@ -30,7 +30,7 @@ from attnres.depth_mixing import (
 random_ids = partial(tiny_random_ids, length=24)  # this file's sequence length
 
 
-@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+@pytest.mark.parametrize("family", family_params(SUPPORTED_FAMILIES))
 def test_zero_queries_reproduce_source_exactly(family):
     source = tiny_source_model(family)
     model = attnres_twin(source, attnres_block_size=2, attnres_scale_by_num_sources=True)

@@ -62,6 +62,8 @@ GENERATE = """
 import json, sys, torch, transformers
 sys.modules["attnres"] = None  # a Hub user's environment: the folders' own code only
 from transformers import AutoModelForCausalLM
+
+pytestmark = pytest.mark.slow  # the fast tier skips this file; CI runs it
 folders, prompt, new_tokens = json.loads(sys.argv[1]), torch.tensor(json.loads(sys.argv[2])), int(sys.argv[3])
 generated = {}
 for family, folder in folders.items():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import random_ids, run_cli, tiny_source_config, tiny_source_model, tiny_tokenizer
+from tiny import family_params, random_ids, run_cli, tiny_source_config, tiny_source_model, tiny_tokenizer
 
 import attnres
 from attnres.cards import describe_layout
@@ -40,7 +40,7 @@ def test_the_rules_the_paper_compares_are_all_offered():
     assert [name for name, rule in RESIDUAL_RULES.items() if rule.converts is not None] == ["postnorm", "highway"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", family_params(FAMILIES))
 @pytest.mark.parametrize("rule", EXACT_RULES)
 def test_exact_rules_convert_to_what_the_source_computes(rule, family):
     source = tiny_source_model(family)
@@ -76,7 +76,7 @@ def text_batches() -> tuple[torch.Tensor, torch.Tensor]:
     return sequences("textwrap", 64), sequences("bisect", 8)
 
 
-@pytest.mark.parametrize("family", TRAINING_FAMILIES)
+@pytest.mark.parametrize("family", family_params(TRAINING_FAMILIES, fast=["llama"]))
 @pytest.mark.parametrize("rule", list(RESIDUAL_RULES))
 def test_every_rule_trains_from_scratch(rule, family, text_batches):
     """30 AdamW steps on one module's text lower the loss on another module's text by at least 1 nat (of ~4.6)."""

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from tiny import attnres_twin, tiny_source_model
 
+pytestmark = pytest.mark.slow  # the fast tier skips this file; CI runs it
+
 RANKS = 2
 LAUNCH_TIMEOUT = 420  # seconds: a rank that hangs fails the test instead of stalling the suite
 FAMILIES = ("llama", "qwen3_moe", "gemma3_text")  # dense, mixture of experts (also expert-parallel), sliding window

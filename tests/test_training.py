@@ -485,7 +485,12 @@ def test_a_folder_of_split_subfolders_gives_each_split_its_documents(tokenizer, 
         for document in chosen:
             (splits / split / document.name).write_text(document.read_text())
     config = TrainingConfig(
-        output_dir="unused", dataset=str(splits), eval_split="validation", seq_len=8, batch_size=2, max_eval_sequences=999
+        output_dir="unused",
+        dataset=str(splits),
+        eval_split="validation",
+        seq_len=8,
+        batch_size=2,
+        max_eval_sequences=999,
     )
     train_sequences, held_out = build_datasets(config, tokenizer, num_processes=1)
     for split, sequences in (("train", train_sequences), ("validation", held_out)):

@@ -5,6 +5,7 @@ import string
 from contextlib import redirect_stderr, redirect_stdout
 from io import StringIO
 
+import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, PreTrainedTokenizerFast
@@ -212,3 +213,13 @@ def run_cli(*argv) -> tuple[int, str, str]:
     with redirect_stdout(stdout), redirect_stderr(stderr):
         exit_code = main([str(arg) for arg in argv])
     return exit_code, stdout.getvalue(), stderr.getvalue()
+
+
+# The families the fast tier (`pytest -m "not slow"`) tries: a plain one, a mixture of experts, and one with (1 + w)
+# norms, output norms and sliding layers. The others run in the full suite (CI), marked slow.
+FAST_FAMILIES = ("llama", "qwen3_moe", "gemma3_text")
+
+
+def family_params(families, fast=FAST_FAMILIES) -> list:
+    """`families` as parameters, those beyond `fast` marked slow."""
+    return [family if family in fast else pytest.param(family, marks=pytest.mark.slow) for family in families]
