@@ -404,9 +404,18 @@ class AttnResConfig(PreTrainedConfig):
     def base_model_tp_plan(self) -> dict | None:
         return self.text_config.base_model_tp_plan
 
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, plan: dict | None) -> None:
+        # Older transformers (5.20) write the plan back in __init__ (adding the tied embedding's rule): to the source's
+        self.text_config.base_model_tp_plan = plan
+
     @property
     def base_model_ep_plan(self) -> dict | None:
         return self.text_config.base_model_ep_plan
+
+    @base_model_ep_plan.setter
+    def base_model_ep_plan(self, plan: dict | None) -> None:
+        self.text_config.base_model_ep_plan = plan
 
     @property
     def base_model_pp_plan(self) -> None:

@@ -17,6 +17,8 @@ from tiny import attnres_twin, random_ids, tiny_source_model
 
 from attnres.configuration_attnres import OLDEST_TRANSFORMERS, SUPPORTED_FAMILIES
 
+pytestmark = pytest.mark.slow  # the fast tier skips this file; CI runs it
+
 NEW_TOKENS = 10
 
 
@@ -62,8 +64,6 @@ GENERATE = """
 import json, sys, torch, transformers
 sys.modules["attnres"] = None  # a Hub user's environment: the folders' own code only
 from transformers import AutoModelForCausalLM
-
-pytestmark = pytest.mark.slow  # the fast tier skips this file; CI runs it
 folders, prompt, new_tokens = json.loads(sys.argv[1]), torch.tensor(json.loads(sys.argv[2])), int(sys.argv[3])
 generated = {}
 for family, folder in folders.items():
