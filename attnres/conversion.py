@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from attnres_cli.errors import ConversionError
@@ -151,6 +151,24 @@ def convert_to_attnres(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def load_source_and_tokenizer(
+    source: str, gguf_file: str | None, dtype: torch.dtype, trust_remote_code: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Step 1 of `convert_checkpoint`: the source model, and its tokenizer where it has one."""
+    tokenizer = None
+    if has_tokenizer(source, gguf_file):
+        logger.info("[1/4] Loading the source model and tokenizer")
+        tokenizer = load_source_tokenizer(source, gguf_file, trust_remote_code)
+    else:
+        logger.info(
+            "[1/4] Loading the source model. It has no tokenizer (%s): the verification runs on random token ids "
+            "instead of the sample text, and the converted folder has no tokenizer either; add the tokenizer files "
+            "of the model it was made from to the source folder for both",
+            ", ".join(TOKENIZER_FILES),
+        )
+    return load_source(source, dtype, gguf_file, trust_remote_code), tokenizer
+
+
 def convert_checkpoint(
     source: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -183,18 +201,7 @@ def convert_checkpoint(
         logger.info("Source: %s", source + (f", {gguf_file}" if gguf_file else ""))
         logger.info(describe_layout(config))
 
-        tokenizer = None
-        if has_tokenizer(source, gguf_file):
-            logger.info("[1/4] Loading the source model and tokenizer")
-            tokenizer = load_source_tokenizer(source, gguf_file, trust_remote_code)
-        else:
-            logger.info(
-                "[1/4] Loading the source model. It has no tokenizer (%s): the verification runs on random token ids "
-                "instead of the sample text, and the converted folder has no tokenizer either; add the tokenizer files "
-                "of the model it was made from to the source folder for both",
-                ", ".join(TOKENIZER_FILES),
-            )
-        source_model = load_source(source, dtype, gguf_file, trust_remote_code)
+        source_model, tokenizer = load_source_and_tokenizer(source, gguf_file, dtype, trust_remote_code)
         logger.info("[2/4] Converting")
         model = convert_to_attnres(source_model, mode, block_size)
         logger.info("AttnRes adds %s parameters", f"{added_parameter_count(model):,}")

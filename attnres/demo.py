@@ -166,9 +166,6 @@ def demo(
         "save_every": steps + 1,  # no checkpoint: optimizer states would triple what the demo writes
         "trust_remote_code": trust_remote_code,
     }
-    # The control: the plain source, trained on the same tokens in the same order with the same settings
-    control_options = training_options | {"output_dir": str(folders["control"]), "model": source}
-    tasks = ["gpqa", "math"] + (["humaneval"] if allow_code_execution else [])
     eval_options = {
         "baseline": str(folders["control"]),  # like with like: the source after the same training
         "baseline_label": "control (plain, trained)",
@@ -181,12 +178,41 @@ def demo(
         "device": device,
         "trust_remote_code": trust_remote_code,  # the control, saved from the source, carries its code
     }
-    stages = [
+    stages = pipeline_stages(result, source_path, gguf_file, folders, training_options, eval_options)
+    for number, (stage, work) in enumerate(stages, 1):
+        run_stage(result, number, len(stages), stage, work)
+    write_report(result)
+    logger.info("\nReport: %s (%.0f s in all)", result.report_path, sum(stage.seconds for stage in result.stages))
+    return result
+
+
+def pipeline_stages(
+    result: DemoResult,
+    source_path: str,
+    gguf_file: str | None,
+    folders: dict[str, Path],
+    training_options: dict[str, Any],
+    eval_options: dict[str, Any],
+) -> list[tuple[StageRun, Callable[[], None]]]:
+    """Each stage with the `attnres` command that re-runs it alone, in the order they run."""
+    device, trust_remote_code = eval_options["device"], eval_options["trust_remote_code"]
+    # The control: the plain source, trained on the same tokens in the same order with the same settings
+    control_options = training_options | {"output_dir": str(folders["control"]), "model": result.source}
+    tasks = ["gpqa", "math"] + (["humaneval"] if eval_options["allow_code_execution"] else [])
+    analyze_command = command_line(
+        "analyze",
+        folders["trained"],
+        baseline=result.source,
+        output=folders["analysis"],
+        device=device,
+        trust_remote_code=trust_remote_code,
+    )
+    return [
         (
             StageRun(
                 "Conversion, verified against the source",
                 command_line(
-                    "convert", source, folders["converted"], device=device, trust_remote_code=trust_remote_code
+                    "convert", result.source, folders["converted"], device=device, trust_remote_code=trust_remote_code
                 ),
             ),
             lambda: convert_stage(result, source_path, gguf_file, folders["converted"], device, trust_remote_code),
@@ -200,17 +226,7 @@ def demo(
             lambda: control_stage(result, control_options),
         ),
         (
-            StageRun(
-                "Held-out loss; depth analysis, trained vs source",
-                command_line(
-                    "analyze",
-                    folders["trained"],
-                    baseline=source,
-                    output=folders["analysis"],
-                    device=device,
-                    trust_remote_code=trust_remote_code,
-                ),
-            ),
+            StageRun("Held-out loss; depth analysis, trained vs source", analyze_command),
             lambda: held_out_and_analysis_stage(result, source_path, gguf_file, training_options, device),
         ),
         (
@@ -221,11 +237,6 @@ def demo(
             lambda: evaluation_stage(result, tasks, eval_options),
         ),
     ]
-    for number, (stage, work) in enumerate(stages, 1):
-        run_stage(result, number, len(stages), stage, work)
-    write_report(result)
-    logger.info("\nReport: %s (%.0f s in all)", result.report_path, sum(stage.seconds for stage in result.stages))
-    return result
 
 
 def results_summary(result: DemoResult) -> str:
@@ -378,34 +389,30 @@ def sample_text_note(analysis: dict[str, Any], losses: dict[str, float]) -> str:
 
 
 def report_markdown(result: DemoResult) -> str:
-    convert, train_stage, control_stage_run, analysis_stage, eval_stage = result.stages
+    """The report: a heading with each stage's time, then one section per stage, each with its `attnres` command."""
+    sections = (conversion_section, training_section, held_out_section, analysis_section, evaluation_section)
+    return "\n".join([report_heading(result)] + [section(result) for section in sections])
+
+
+def report_heading(result: DemoResult) -> str:
     total = sum(stage.seconds for stage in result.stages)
-    last = result.metrics[-1]
-    verification = result.verification
-    analysis = result.analysis
-    mean_entropy = sum(analysis["entropy"]) / len(analysis["entropy"])
-    mean_max_entropy = sum(analysis["max_entropy"]) / len(analysis["max_entropy"])
-    humaneval = (
-        "\n\nHumanEval was skipped: it scores a model by running the programs the model writes. Run "
-        "`attnres demo --allow-code-execution`, or the command above with `--allow-code-execution --tasks "
-        "gpqa,math,humaneval`, to include it."
-        if result.humaneval_skipped
-        else ""
-    )
     timing_rows = [(stage.title, f"{stage.seconds:.0f}") for stage in result.stages] + [("total", f"{total:.0f}")]
-    timing = markdown_table(("stage", "seconds"), timing_rows)
     return f"""# AttnRes demo: `{result.source}`
 
 The source model was converted to Block AttnRes, trained briefly beside a control (the plain source trained the same
 way), compared with both and analysed. Every stage is an `attnres` command of its own; the command under each heading
 re-runs that stage alone (from the folder the demo ran in).
 
-{timing}
+{markdown_table(("stage", "seconds"), timing_rows)}
+"""
 
-## 1. Conversion
+
+def conversion_section(result: DemoResult) -> str:
+    verification = result.verification
+    return f"""## 1. Conversion
 
 ```bash
-{convert.command}
+{result.stages[0].command}
 ```
 
 {result.layout}
@@ -415,19 +422,23 @@ Source and converted model on the same fixed sample text (verification {"passed"
 {verification.to_markdown()}
 
 The converted model, with its model card: [converted/](converted/README.md).
+"""
 
-## 2. Continued pretraining, with its control
+
+def training_section(result: DemoResult) -> str:
+    last = result.metrics[-1]
+    return f"""## 2. Continued pretraining, with its control
 
 The converted model:
 
 ```bash
-{train_stage.command}
+{result.stages[1].command}
 ```
 
 The control, the plain source trained the same way on the same tokens in the same order:
 
 ```bash
-{control_stage_run.command}
+{result.stages[2].command}
 ```
 
 ![Training and held-out loss by step](loss_curve.png)
@@ -437,8 +448,11 @@ The control, the plain source trained the same way on the same tokens in the sam
 {last["step"]} steps, {last["tokens"]:,} training tokens each. Every logged figure, with the entropy of each
 sublayer's depth weights: [trained/metrics.jsonl](trained/metrics.jsonl); the control's:
 [control/metrics.jsonl](control/metrics.jsonl).
+"""
 
-## 3. Held-out loss
+
+def held_out_section(result: DemoResult) -> str:
+    return f"""## 3. Held-out loss
 
 The same {result.held_out_tokens:,} held-out tokens (documents of the corpus that training never saw), scored by
 each model:
@@ -450,11 +464,17 @@ each model:
 Each figure is the one the training runs logged (`eval_loss` in their metrics.jsonl: step 0 and the last step), so it
 is the same figure as in the table of section 2. The conversion is exact, so the converted model scores what the
 source scores, up to float rounding in the last digits.
+"""
 
-## 4. Where each layer looks in depth
+
+def analysis_section(result: DemoResult) -> str:
+    analysis = result.analysis
+    mean_entropy = sum(analysis["entropy"]) / len(analysis["entropy"])
+    mean_max_entropy = sum(analysis["max_entropy"]) / len(analysis["max_entropy"])
+    return f"""## 4. Where each layer looks in depth
 
 ```bash
-{analysis_stage.command}
+{result.stages[3].command}
 ```
 
 On {analysis["tokens"]} tokens of the built-in sample text, the trained model's depth weights have a mean entropy of
@@ -469,11 +489,21 @@ On {analysis["tokens"]} tokens of the built-in sample text, the trained model's 
 ![Gradient norm per sublayer](analysis/gradients.png)
 
 Every number behind the pictures: [analysis/analysis.json](analysis/analysis.json).
+"""
 
-## 5. Evaluation
+
+def evaluation_section(result: DemoResult) -> str:
+    humaneval = (
+        "\n\nHumanEval was skipped: it scores a model by running the programs the model writes. Run "
+        "`attnres demo --allow-code-execution`, or the command above with `--allow-code-execution --tasks "
+        "gpqa,math,humaneval`, to include it."
+        if result.humaneval_skipped
+        else ""
+    )
+    return f"""## 5. Evaluation
 
 ```bash
-{eval_stage.command}
+{result.stages[4].command}
 ```
 
 The baseline is the control, so both models had the same training and each delta is what AttnRes changed.

@@ -395,6 +395,16 @@ class AttnResModel(AttnResPreTrainedModel):
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in set(layer_types)}
 
+    def position_embeddings_by_type(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.LongTensor, layer_types: list[str]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """layer type -> the rotary (cos, sin) its layers use: one per type where the family's rope differs by type
+        (Gemma3, OLMo-3: sliding and full attention), else one shared."""
+        if family_of(self.config).rope_per_layer_type:
+            return {t: self.rotary_emb(inputs_embeds, position_ids, t) for t in set(layer_types)}
+        shared = self.rotary_emb(inputs_embeds, position_ids)
+        return {t: shared for t in set(layer_types)}
+
     @accepts_past_key_values
     @merge_with_config_defaults
     @capture_outputs
@@ -425,11 +435,7 @@ class AttnResModel(AttnResPreTrainedModel):
 
         layer_types = attention_layer_types(text_config)
         attention_masks = self._attention_masks(attention_mask, inputs_embeds, cache, position_ids, layer_types)
-        if family.rope_per_layer_type:
-            position_embeddings = {t: self.rotary_emb(inputs_embeds, position_ids, t) for t in set(layer_types)}
-        else:
-            shared = self.rotary_emb(inputs_embeds, position_ids)
-            position_embeddings = {t: shared for t in set(layer_types)}
+        position_embeddings = self.position_embeddings_by_type(inputs_embeds, position_ids, layer_types)
 
         # The embedding (mHC: m copies of it); layer 0 starts the first block: the embedding becomes b_0
         partial_sum = self.rule.start(self.config, inputs_embeds)

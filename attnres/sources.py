@@ -41,7 +41,6 @@ from transformers.utils import CONFIG_NAME
 from attnres_cli.errors import SourceError
 from attnres_cli.options import DEFAULT_SOURCE
 
-from . import auto  # noqa: F401  (registers model_type "attnres", so that AttnRes folders load as sources too)
 from .compat.hub_private import set_hub_offline
 from .compat.transformers_private import saved_config_file
 
@@ -246,13 +245,9 @@ def trust_remote_code_for(
     if config.get("model_type") == "attnres":
         return False
     auto_map = config.get("auto_map")
-    # transformers 5.24, models/auto/configuration_auto.py, AutoConfig.from_pretrained (lines 408-409):
-    #   has_remote_code = "auto_map" in config_dict and "AutoConfig" in config_dict["auto_map"]
-    #   has_local_code = "model_type" in config_dict and config_dict["model_type"] in CONFIG_MAPPING
-    # and dynamic_module_utils.py, resolve_trust_remote_code (line 790) refuses only when
-    #   has_remote_code and not has_local_code and not trust_remote_code;
-    # with trust_remote_code=False the Auto classes then load their own class (configuration_auto.py line 423,
-    # auto_factory.py lines 380 and 392: the folder's code is imported only when trust_remote_code is True)
+    # As transformers decides: a folder's own code is needed only when its auto_map names code for a model type
+    # transformers does not know, and without trust_remote_code the Auto classes load their own class for a type they
+    # know, never importing the folder's code.
     has_local_code = config.get("model_type") in CONFIG_MAPPING
     if auto_map and not has_local_code and not trust_remote_code:
         entries = ", ".join(f"{auto_class} -> {reference}" for auto_class, reference in auto_map.items())

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from attnres_cli.errors import ConversionError
+
 from .compat.transformers_private import attention_implementation
 from .modeling_attnres import AttnResForCausalLM
 
@@ -228,21 +230,15 @@ def verify_conversion(
     runs. Without a tokenizer both run on `max_tokens` fixed random token ids instead of text.
     """
     if source.dtype != converted.dtype:
-        raise ValueError(f"source ({source.dtype}) and converted model ({converted.dtype}) must share a dtype")
+        raise ConversionError(
+            f"the source is in {source.dtype} and the converted model in {converted.dtype}: verify them in one dtype "
+            "(load or cast both with the same torch_dtype)"
+        )
     if tokenizer is None and text is not None:
-        raise ValueError("a text to verify on needs the tokenizer that encodes it")
+        raise ConversionError("a text to verify on needs the tokenizer that encodes it: pass tokenizer= as well")
     input_ids = verification_input_ids(tokenizer, text, max_tokens, converted.config.vocab_size).to(converted.device)
     prompt = input_ids[:, :prompt_tokens]
-    pad_token_id = source.generation_config.pad_token_id
-    if pad_token_id is None:  # a single unpadded sequence: any id does, and naming one spares generate's notice
-        pad_token_id = tokenizer.eos_token_id if tokenizer is not None else 0
-    greedy = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,  # no early stop: compare the same number of tokens every time
-        eos_token_id=source.generation_config.eos_token_id,
-        pad_token_id=pad_token_id,
-    )
+    greedy = greedy_config(source, tokenizer, new_tokens)
     source_run = _run(source, input_ids, prompt, greedy)
     converted_run = _run(converted, input_ids, prompt, greedy)
     noise = None, 0.0, 0.0
@@ -271,6 +267,22 @@ def verify_conversion(
         noise_max_abs_logit_diff=noise[1],
         noise_nll_diff=noise[2],
         random_token_ids=tokenizer is None,
+    )
+
+
+def greedy_config(
+    source: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, new_tokens: int
+) -> GenerationConfig:
+    """Greedy decoding of exactly `new_tokens` tokens, with the source's end-of-sequence token."""
+    pad_token_id = source.generation_config.pad_token_id
+    if pad_token_id is None:  # a single unpadded sequence: any id does, and naming one spares generate's notice
+        pad_token_id = tokenizer.eos_token_id if tokenizer is not None else 0
+    return GenerationConfig(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,  # no early stop: compare the same number of tokens every time
+        eos_token_id=source.generation_config.eos_token_id,
+        pad_token_id=pad_token_id,
     )
 
 

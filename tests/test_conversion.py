@@ -249,6 +249,16 @@ def test_full_mode_conversion_reproduces_source():
 # Verification: calibrated on the source's own float noise, it accepts correct conversions and refuses broken ones
 # --------------------------------------------------------------------------------------------------------------------
 
+
+def test_verification_refuses_models_in_two_dtypes_and_text_without_tokenizer():
+    source = tiny_source_model("llama", num_layers=2)
+    model = convert_to_attnres(source)
+    with pytest.raises(conversion.ConversionError, match="verify them in one dtype"):
+        verify_conversion(source, copy.deepcopy(model).to(torch.bfloat16), tiny_tokenizer())
+    with pytest.raises(conversion.ConversionError, match="pass tokenizer="):
+        verify_conversion(source, model, None, text="some text")
+
+
 OLD_ABSOLUTE_LIMIT = 1e-4  # the fixed limit that refused a correct Gemma3-270M conversion at 2.65e-4
 
 

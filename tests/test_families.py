@@ -1,7 +1,8 @@
 """Every supported source family, on a tiny random model whose weights are scaled up and whose norm gains are
 perturbed (so that a misplaced norm, multiplier or dropout changes the logits): conversion reproduces the source within
 its own float noise, including greedy generation with the cache; the two-phase path equals the naive one; the cache
-changes nothing; a saved model reloads as remote code without the package; and a few training steps lower the loss."""
+changes nothing; a saved model reloads as remote code without the package; and a few training steps lower a
+held-out loss as much as they lower the source's."""
 
 import copy
 import json
@@ -12,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from tiny import attnres_twin, family_params, random_ids, tiny_source_model, tiny_tokenizer
+from tiny import attnres_twin, family_params, random_ids, stdlib_text_ids, tiny_source_model, tiny_tokenizer
 from transformers import AutoConfig
 
 from attnres.configuration_attnres import SUPPORTED_FAMILIES
@@ -96,19 +97,39 @@ def error_against(exact_logits: torch.Tensor, exact: dict, logits: torch.Tensor,
     return max(relative_error(logits, exact_logits), *(relative_error(grads[name], exact[name]) for name in exact))
 
 
-@pytest.mark.parametrize("family", family_params(SUPPORTED_FAMILIES))
-def test_training_steps_lower_the_loss(family):
-    model = convert_to_attnres(perturbed_source(family), block_size=2).train()
-    ids = random_ids(batch=4, length=16)
+def held_out_loss_after_training(model, train_ids: torch.Tensor, held_out_ids: torch.Tensor) -> tuple[float, float]:
+    """(held-out loss before, after) 5 AdamW steps of 4 training sequences each."""
+
+    def held_out_loss() -> float:
+        with torch.no_grad():
+            return model(held_out_ids, labels=held_out_ids).loss.item()
+
+    model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(5):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
+    before = held_out_loss()
+    for batch in train_ids.split(4)[:5]:
+        model(batch, labels=batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
-    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    return before, held_out_loss()
+
+
+@pytest.mark.parametrize("family", family_params(SUPPORTED_FAMILIES))
+def test_training_steps_lower_the_held_out_loss_as_the_source_s(family):
+    """Trained on one module's text, the converted model scores better on another module's text, as much as its
+    source trained the same way on the same batches (measured on Llama, Qwen3-MoE, Gemma3: a fall of 0.55 to 1.0
+    nats, the two within 0.03 of each other)."""
+    train_ids, held_out_ids = stdlib_text_ids("textwrap", 20, 16), stdlib_text_ids("bisect", 8, 16)
+    source = perturbed_source(family)
+    model = convert_to_attnres(copy.deepcopy(source), block_size=2)
+    source_before, source_after = held_out_loss_after_training(source, train_ids, held_out_ids)
+    before, after = held_out_loss_after_training(model, train_ids, held_out_ids)
+    print(
+        f"{family}: held-out loss {before:.3f} -> {after:.3f}; the source's {source_before:.3f} -> {source_after:.3f}"
+    )
+    assert before == pytest.approx(source_before, abs=1e-4)  # the conversion is exact
+    assert after < before - 0.3
+    assert abs(after - source_after) < 0.1
 
 
 @pytest.mark.parametrize(

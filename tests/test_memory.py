@@ -33,7 +33,7 @@ BOUNDS = {
 }
 
 
-@pytest.mark.parametrize("num_layers", [8, 32])
+@pytest.mark.parametrize("num_layers", [8, pytest.param(32, marks=pytest.mark.slow)])  # 32 layers: 15-20 s each
 @pytest.mark.parametrize("precision", list(overhead.PRECISIONS))
 @pytest.mark.parametrize("setting", list(BOUNDS))
 def test_saved_activations_stay_flat_in_depth(setting, precision, num_layers, one_thread):

@@ -273,14 +273,24 @@ def test_tied_embeddings():
     assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
 
 
-def test_bf16_forward_close_to_fp32():
-    model = attnres_twin(tiny_source_model("llama"), seed=9)
-    ids = random_ids()
+def bf16_error(model, ids) -> float:
+    """The largest change of a logit when `model` runs in bf16, relative to the largest fp32 logit."""
     with torch.no_grad():
         reference = model(ids).logits
-        half = model.to(torch.bfloat16)(ids).logits
+        half = copy.deepcopy(model).to(torch.bfloat16)(ids).logits
     assert half.dtype == torch.bfloat16
-    assert (half.float() - reference).abs().max().item() < 0.1 * reference.abs().max().item()
+    return (half.float() - reference).abs().max().item() / reference.abs().max().item()
+
+
+def test_bf16_forward_close_to_fp32():
+    """bf16 keeps 8 significant bits: the source itself moves its largest logit by about 0.5% (measured). Converted,
+    AttnRes computes what the source computes, so bf16 may move it by no more than twice the source's own error; the
+    mix adds a few roundings of its own, no more. With random depth parameters (a trained model's), the sharp depth
+    softmax passes the layers' rounding on: 2.1% measured, against a bound of 3%."""
+    source, ids = tiny_source_model("llama"), random_ids()
+    source_error = bf16_error(source, ids)
+    assert bf16_error(attnres_twin(source), ids) <= 2 * source_error
+    assert bf16_error(attnres_twin(source, seed=9), ids) < 0.03
 
 
 def test_one_step_trains_every_query_with_more_than_one_source():

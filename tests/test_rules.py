@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import family_params, random_ids, run_cli, tiny_source_config, tiny_source_model, tiny_tokenizer
+from tiny import (
+    family_params,
+    random_ids,
+    run_cli,
+    stdlib_text_ids,
+    tiny_source_config,
+    tiny_source_model,
+    tiny_tokenizer,
+)
 
 import attnres
 from attnres.cards import describe_layout
@@ -66,14 +74,7 @@ def test_rules_that_cannot_start_exact_are_refused_for_conversion(rule):
 @pytest.fixture(scope="module")
 def text_batches() -> tuple[torch.Tensor, torch.Tensor]:
     """Training and held-out sequences of two different standard-library modules, as the tiny tokenizer reads them."""
-    tokenizer, seq_len = tiny_tokenizer(), 48
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-
-    def sequences(module: str, count: int) -> torch.Tensor:
-        ids = tokenizer((stdlib / f"{module}.py").read_text())["input_ids"][: count * seq_len]
-        return torch.tensor(ids).view(count, seq_len)
-
-    return sequences("textwrap", 64), sequences("bisect", 8)
+    return stdlib_text_ids("textwrap", 64, 48), stdlib_text_ids("bisect", 8, 48)
 
 
 @pytest.mark.parametrize("family", family_params(TRAINING_FAMILIES, fast=["llama"]))
@@ -120,6 +121,7 @@ for folder in sys.argv[2:]:
 """
 
 
+@pytest.mark.slow  # every rule on three families, saved, reloaded and run again in a process of its own
 def test_every_rule_reloads_and_generates_with_and_without_the_cache_and_as_remote_code(tmp_path):
     ids = random_ids(batch=1, length=6)
     expected = {}

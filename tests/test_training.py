@@ -205,6 +205,7 @@ torch.save({"weights": state, "sequences": seen}, os.path.join(sys.argv[2], f"ra
 """
 
 
+@pytest.mark.slow  # two processes launched by torchrun, each importing torch and transformers
 def test_two_cpu_processes_train_one_model_on_different_data(
     checkpoints, data_files, datasets_cache, free_port, tmp_path
 ):
@@ -267,11 +268,14 @@ def test_attnres_recompute_trains_the_same_weights_and_is_saved(checkpoints, dat
 
 
 def test_regional_compilation_compiles_every_attnres_layer(tokenizer, data_files, tmp_path, monkeypatch):
-    """Accelerate's regional compilation traces each distinct decoder layer; the 12 layers of a Full model are 12
-    graphs, past dynamo's default limit of 8, where fullgraph fails. `attnres train` raises the limit, and the compiled
-    run (dynamo's eager backend: the tracing without the compiler's cost) trains as the uncompiled one."""
+    """Accelerate's regional compilation traces each distinct decoder layer: a Full model of 12 layers is 12 graphs,
+    past dynamo's default limit of 8, where fullgraph fails. `attnres train` raises the limit, and the compiled run
+    (dynamo's eager backend: the tracing without the compiler's cost) trains as the uncompiled one. The test sets the
+    limit to 2 and traces 4 layers: the same overflow at a third of the tracing."""
+    num_layers, limit = 4, 2
     model_dir = tmp_path / "full"
-    attnres_twin(tiny_source_model("llama", num_layers=12), seed=0, attnres_mode="full").save_pretrained(model_dir)
+    source = tiny_source_model("llama", num_layers=num_layers)
+    attnres_twin(source, seed=0, attnres_mode="full").save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     plain = run(tmp_path / "plain", model_dir, data_files["jsonl"], max_steps=2)
     compiled_run = {"BACKEND": "eager", "USE_REGIONAL_COMPILATION": "true", "USE_FULLGRAPH": "true"}
@@ -279,12 +283,12 @@ def test_regional_compilation_compiles_every_attnres_layer(tokenizer, data_files
         monkeypatch.setenv(f"ACCELERATE_DYNAMO_{name}", value)
     AcceleratorState._reset_state(reset_partial_state=True)  # this process's state holds an earlier run's settings
     # dynamo's own patching (monkeypatch would delete the setting on undo: it is no attribute of the config module)
-    with torch._dynamo.config.patch(recompile_limit=8):  # the default
+    with torch._dynamo.config.patch(recompile_limit=limit):
         try:
             torch._dynamo.utils.counters.clear()
             compiled = run(tmp_path / "compiled", model_dir, data_files["jsonl"], max_steps=2)
-            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 12  # a graph per layer at least
-            assert torch._dynamo.config.recompile_limit == 2 * 12 + 8
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= num_layers  # a graph per layer at least
+            assert torch._dynamo.config.recompile_limit == 2 * num_layers + 8
         finally:
             AcceleratorState._reset_state(reset_partial_state=True)
             torch._dynamo.reset()

@@ -2,8 +2,10 @@
 tokenizer for them and their token ids, and the `attnres` command run in-process."""
 
 import string
+import sysconfig
 from contextlib import redirect_stderr, redirect_stdout
 from io import StringIO
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,6 +135,13 @@ TINY_RUN = dict(
 def random_ids(batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
     """Token ids of the tiny vocabulary, past its special tokens, the same for the same arguments."""
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def stdlib_text_ids(module: str, count: int, seq_len: int) -> torch.Tensor:
+    """[count, seq_len]: the source of a standard-library module as the tiny tokenizer reads it (text that a few
+    training steps can learn from, and that another module's text tests on)."""
+    text = (Path(sysconfig.get_paths()["stdlib"]) / f"{module}.py").read_text()
+    return torch.tensor(tiny_tokenizer()(text)["input_ids"][: count * seq_len]).view(count, seq_len)
 
 
 def tiny_source_config(family: str, num_layers: int = 5, **overrides):

@@ -474,16 +474,10 @@ def evaluate(
     settings = RunSettings(
         names, task_manager(names, data_path), limit, batch_size, allow_code_execution, log_samples, max_gen_toks
     )
-    inputs: dict[str, str | Path | None] = {"the data folder": data_path}
-    for what, candidate in (("the baseline", baseline), ("the model", model)):  # before any loads or is written
-        if isinstance(candidate, (str, os.PathLike)):
-            inputs[what], gguf_file = resolve_source(str(candidate), offline=is_offline)
-            check_tokenizer(inputs[what], gguf_file)
-            with offline_mode(is_offline):  # a Hub repo's config.json comes from the cache then
-                trust_remote_code_for(inputs[what], trust_remote_code, gguf_file)
+    inputs = checked_inputs({"the baseline": baseline, "the model": model}, is_offline, trust_remote_code)
     output_dir = Path(output_dir)
     with output_lock(output_dir, EvalError):  # two evaluations into one folder would mix their results
-        check_output_dir(output_dir, EvalError, inputs, replace_fix(overwrite))
+        check_output_dir(output_dir, EvalError, {"the data folder": data_path} | inputs, replace_fix(overwrite))
         if data_path == FIXTURES_DIR:
             logger.warning("Using the bundled FIXTURES (our own easy questions), NOT BENCHMARK DATA.")
         # --overwrite replaces the folder whole: no results of an earlier comparison stay beside the new ones
@@ -494,13 +488,32 @@ def evaluate(
             load_options = {"tokenizer": tokenizer, "dtype": dtype, "device": device}
             load_options["trust_remote_code"] = trust_remote_code
             results, described = evaluate_each(candidates, load_options, settings, staging, is_offline)
+            report = EvalReport(
+                compare(results.get("source"), results["attnres"]),
+                output_dir / "summary.md",
+                results,
+                columns,
+                fixtures_note(results["attnres"]) if data_path == FIXTURES_DIR else "",
+            )
             notes = ["Offline: the bundled twins of lm-eval's tasks (attnres/eval/tasks)."] if is_offline else []
-            rows = compare(results.get("source"), results["attnres"])
-            note = fixtures_note(results["attnres"]) if data_path == FIXTURES_DIR else ""
-            report = EvalReport(rows, output_dir / "summary.md", results, columns, note)
             (staging / "summary.md").write_text(summary_markdown(report, described, settings, notes))
     logger.info("Wrote %s", report.summary_path)
     return report
+
+
+def checked_inputs(
+    candidates: dict[str, str | os.PathLike | PreTrainedModel | None], is_offline: bool, trust_remote_code: bool
+) -> dict[str, str]:
+    """The folder of each named model, checked before anything loads or is written (`SourceError` otherwise): what
+    the output folder must not be, hold or lie inside. Model objects and None are skipped."""
+    inputs = {}
+    for what, candidate in candidates.items():
+        if isinstance(candidate, (str, os.PathLike)):
+            inputs[what], gguf_file = resolve_source(str(candidate), offline=is_offline)
+            check_tokenizer(inputs[what], gguf_file)
+            with offline_mode(is_offline):  # a Hub repo's config.json comes from the cache then
+                trust_remote_code_for(inputs[what], trust_remote_code, gguf_file)
+    return inputs
 
 
 def evaluate_each(
