@@ -98,11 +98,12 @@ def conversion_record(
 ) -> dict[str, Any]:
     """The `conversion` entry of a converted model's origin record (see `read_origin`)."""
     num_added = added_parameter_count(model)
+    # The depth layout without its prefix: the rule, and what of it a rule has (a block size only for Block AttnRes)
+    layout = {name.removeprefix("attnres_"): value for name, value in model.config.depth_layout().items()}
     return {
         "converted_by": converted_by,
         "attnres_version": __version__,
-        "mode": model.config.attnres_mode,
-        "block_size": model.config.attnres_block_size,
+        **layout,
         "dtype": str(model.dtype).removeprefix("torch."),
         "added_parameters": num_added,
         "source_parameters": model.num_parameters() - num_added,
