@@ -317,7 +317,7 @@ def test_ablations_keep_gradient_checkpointing_and_bf16_autocast(ablation):
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     loss, gradients = loss_and_gradients()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     checkpointed_loss, checkpointed = loss_and_gradients()
     assert checkpointed_loss == loss and checkpointed.keys() == gradients.keys()
     for name, gradient in gradients.items():
@@ -326,6 +326,24 @@ def test_ablations_keep_gradient_checkpointing_and_bf16_autocast(ablation):
         output = model(ids, labels=ids, output_depth_weights=True)
     assert all(weights.dtype == torch.float32 for weights in output.depth_weights)
     assert abs(output.loss.item() - loss.item()) < 0.05 * loss.item()
+
+
+@pytest.mark.slow  # torch.compile: 10 to 30 s a case
+@pytest.mark.parametrize("ablation", list(ABLATIONS))
+def test_ablations_compile_whole(ablation):
+    """`torch.compile(fullgraph=True)` of a training step gives eager's logits and gradients."""
+    torch._dynamo.reset()
+    model, ids = ablation_model(ablation).train(), random_ids()
+    results = []
+    for forward in (model, torch.compile(model, fullgraph=True)):
+        model.zero_grad()
+        output = forward(ids, labels=ids)
+        output.loss.backward()
+        results.append((output.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (eager_logits, eager_gradients), (compiled_logits, compiled_gradients) = results
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=0, atol=1e-5)
+    for name, gradient in eager_gradients.items():
+        torch.testing.assert_close(compiled_gradients[name], gradient, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("ablation", list(ABLATIONS))
