@@ -61,8 +61,13 @@ def depth_weight_map(config: AttnResConfig, depth_weights: tuple[torch.Tensor, .
     for sublayer, weights in enumerate(depth_weights):
         mean_weights = weights.float().mean(dim=tuple(range(weights.dim() - 1))).tolist()
         row = [None] * len(columns)
+        if config.attnres_mode == "full":  # the embedding, then the latest outputs (all, unless a window drops some)
+            num_latest = len(mean_weights) - 1
+            row[0], row[sublayer + 1 - num_latest : sublayer + 1] = mean_weights[0], mean_weights[1:]
+            rows.append(row)
+            continue
         is_output = sublayer == len(depth_weights) - 1
-        has_partial = config.attnres_mode == "block" and (is_output or not config.sublayer_starts_block(sublayer))
+        has_partial = is_output or not config.sublayer_starts_block(sublayer)
         completed = len(mean_weights) - has_partial
         row[:completed] = mean_weights[:completed]
         if has_partial:

@@ -21,14 +21,15 @@ AutoModel.register(AttnResConfig, AttnResModel, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
 
 # The modules AttnRes adds to the source model, by their names in modeling_attnres.py: what each depth-mixing rule
-# learns for each sublayer and for the output aggregation (Block and Full AttnRes: a pseudo-query and a key norm).
+# learns for each sublayer and for the output aggregation (Block and Full AttnRes: a pseudo-query and a key norm, or
+# what their ablations learn instead).
 # PEFT's `modules_to_save` takes these names.
 ATTNRES_MODULES = sorted(
     {
         f"{sublayer}_res_{part}"
         for sublayer in ("self_attention", "mlp", "output_attn")
         for rule in DEPTH_RULES.values()
-        for part in rule.parts
+        for part in rule.all_parts
     }
 )
 

@@ -98,11 +98,12 @@ def conversion_record(
 ) -> dict[str, Any]:
     """The `conversion` entry of a converted model's origin record (see `read_origin`)."""
     num_added = added_parameter_count(model)
+    # The depth layout without its prefix: the rule, and what of it a rule has (a block size only for Block AttnRes)
+    layout = {name.removeprefix("attnres_"): value for name, value in model.config.depth_layout().items()}
     return {
         "converted_by": converted_by,
         "attnres_version": __version__,
-        "mode": model.config.attnres_mode,
-        "block_size": model.config.attnres_block_size,
+        **layout,
         "dtype": str(model.dtype).removeprefix("torch."),
         "added_parameters": num_added,
         "source_parameters": model.num_parameters() - num_added,
@@ -116,16 +117,25 @@ def conversion_record(
 
 
 def describe_layout(config: AttnResConfig) -> str:
-    """The depth-mixing rule; for AttnRes, which decoder layers open each block, and how many sources the output
-    aggregation attends over."""
+    """The depth-mixing rule; for AttnRes, which decoder layers open each block, how many sources the output
+    aggregation attends over, and the ablation options set."""
+    layout = rule_layout(config)
+    ablations = ", ".join(f"{name}={getattr(config, name)!r}" for name in config.ablated_options())
+    return f"{layout} Ablations of the paper's Table 4: {ablations}." if ablations else layout
+
+
+def rule_layout(config: AttnResConfig) -> str:
+    """The rule's part of `describe_layout`."""
     num_layers = config.text_config.num_hidden_layers
     num_output_sources = config.num_sources()[-1]
     if config.attnres_mode not in ATTNRES_MODES:
         return f"{RESIDUAL_RULES[config.attnres_mode].label}, over {num_layers} decoder layers (not AttnRes)."
     if config.attnres_mode == "full":
+        window = config.attnres_window
+        outputs = "every sublayer output" if window is None else f"the {window} latest sublayer outputs"
         return (
             f"Full AttnRes: each of the {2 * num_layers} sublayer outputs is a source of its own; the output "
-            f"aggregation attends over {num_output_sources} sources (the embedding and every sublayer output)."
+            f"aggregation attends over {num_output_sources} sources (the embedding and {outputs})."
         )
     block_starts = [layer for layer in range(num_layers) if config.sublayer_starts_block(2 * layer)]
     return (

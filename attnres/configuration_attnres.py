@@ -197,6 +197,31 @@ RESIDUAL_RULES = {
 }
 MODES = tuple(RESIDUAL_RULES)
 ATTNRES_MODES = ("block", "full")  # the rules whose sublayers mix by depth attention
+
+
+@dataclass(frozen=True)
+class AttnResOption:
+    """One of the paper's ablations of AttnRes (its Table 4), as a config field: its default (the paper's AttnRes), the
+    values it takes (None: a positive integer) and the modes it applies to."""
+
+    default: object
+    choices: tuple | None = None
+    modes: tuple[str, ...] = ATTNRES_MODES
+    # Why a converted model cannot start as its source with the option set; None where it can
+    converts: str | None = None
+
+
+ATTNRES_OPTIONS = {
+    "attnres_query": AttnResOption("pseudo", ("pseudo", "projected", "scalars")),
+    "attnres_score": AttnResOption("softmax", ("softmax", "sigmoid")),
+    "attnres_key_norm": AttnResOption(True, (True, False)),
+    "attnres_depth_heads": AttnResOption(1),
+    "attnres_window": AttnResOption(
+        None,
+        modes=("full",),
+        converts="a window leaves out the older sublayer outputs, which the source's residual stream still sums",
+    ),
+}
 IMPLEMENTATIONS = ("two_phase", "naive")
 DEFAULT_NUM_BLOCKS = 8
 
@@ -290,11 +315,28 @@ class AttnResConfig(PreTrainedConfig):
             The number m of residual streams of `"mhc"` mode (the paper's expansion rate n), at least 2. Each
             sublayer's projection holds (m + 2) * m^2 * hidden_size parameters (96 * hidden_size at m = 4). Ignored
             by the other rules.
+        attnres_query (`str`, defaults to `"pseudo"`):
+            Block and Full AttnRes: what scores the sources. `"pseudo"`: the paper's learned pseudo-query w.
+            `"projected"` (ablation): an input-dependent query w + W RMSNorm(v) per token, v the latest source, W a
+            hidden_size x hidden_size matrix per sublayer, zero at init. `"scalars"` (ablation, input-independent
+            mixing): a learned logit per source replaces query and key, zero at init.
+        attnres_score (`str`, defaults to `"softmax"`):
+            Block and Full AttnRes: `"softmax"` over the sources, or `"sigmoid"` (ablation) of each logit, not
+            renormalised.
+        attnres_key_norm (`bool`, defaults to `True`):
+            Block and Full AttnRes: RMS-normalise the keys; `False` (ablation) scores the raw sources.
+        attnres_depth_heads (`int`, defaults to 1):
+            Block and Full AttnRes: split the channels into this many equal groups (it must divide hidden_size), each
+            with its own weights over depth (ablation; the paper's H = 16). The keys keep one RMS over all channels.
+        attnres_window (`int`, *optional*):
+            Full AttnRes only (ablation, sliding-window aggregation): each sublayer mixes the embedding and only the
+            `attnres_window` latest sublayer outputs (the paper's W = 8). None: all of them.
         attnres_saved_layout (`dict`, *optional*):
             Written by `save_pretrained`, not set by hand: the depth layout (`depth_layout()`) of the weights saved
-            beside this config. Loading a config.json whose `attnres_mode` or `attnres_block_size` was edited away
-            from it is refused, since the same weights would then compute something else. Changing the layout from
-            Python (`from_pretrained(..., attnres_block_size=4)`) is not refused: that is a deliberate choice.
+            beside this config. Loading a config.json whose `attnres_mode`, `attnres_block_size`,
+            `attnres_num_streams` or ablation options were edited away from it is refused, since the same weights
+            would then compute something else. Changing the layout from Python
+            (`from_pretrained(..., attnres_block_size=4)`) is not refused: that is a deliberate choice.
     """
 
     model_type = "attnres"
@@ -309,6 +351,11 @@ class AttnResConfig(PreTrainedConfig):
     attnres_scale_init: float | None = None
     attnres_recompute: bool = False
     attnres_num_streams: int = 4
+    attnres_query: str = "pseudo"
+    attnres_score: str = "softmax"
+    attnres_key_norm: bool = True
+    attnres_depth_heads: int = 1
+    attnres_window: int | None = None
     attnres_saved_layout: dict | None = None
     tie_word_embeddings: bool = False
 
@@ -338,21 +385,55 @@ class AttnResConfig(PreTrainedConfig):
                 f"attnres_num_streams: got {self.attnres_num_streams!r}, expected an integer number of mHC residual "
                 "streams of at least 2 (one stream is the plain residual stream: attnres_mode='prenorm')."
             )
+        self._check_options()
         if self.attnres_eps is None:
             self.attnres_eps = self.text_config.rms_norm_eps
         if not self.attnres_eps > 0:
             raise AttnResConfigError(f"attnres_eps: got {self.attnres_eps!r}, expected a positive float.")
         self._check_saved_layout()
 
+    def _check_options(self) -> None:
+        """The ablation options: each of its values, on the modes it applies to, in combinations that mean something."""
+        for name, option in ATTNRES_OPTIONS.items():
+            value = getattr(self, name)
+            if value == option.default:
+                continue
+            if self.attnres_mode not in option.modes:
+                modes = " or ".join(f"attnres_mode={mode!r}" for mode in option.modes)
+                raise AttnResConfigError(
+                    f"{name}: {value!r} is an option of {modes}, not of attnres_mode={self.attnres_mode!r}: drop it, "
+                    f"or set {modes}."
+                )
+            valid = value in option.choices if option.choices else isinstance(value, int) and value >= 1
+            if not valid or isinstance(value, bool) != isinstance(option.default, bool):
+                expected = f"one of {option.choices}" if option.choices else "a positive integer"
+                raise AttnResConfigError(f"{name}: got {value!r}, expected {expected}.")
+        hidden_size = self.text_config.hidden_size
+        if hidden_size % self.attnres_depth_heads:
+            raise AttnResConfigError(
+                f"attnres_depth_heads: got {self.attnres_depth_heads}, which does not divide hidden_size={hidden_size} "
+                "into equal channel groups: pick a divisor of hidden_size."
+            )
+        if self.attnres_query == "scalars" and (self.attnres_depth_heads != 1 or not self.attnres_key_norm):
+            raise AttnResConfigError(
+                "attnres_query='scalars' learns one logit per source, with no query or key to split into "
+                "attnres_depth_heads or to normalise (attnres_key_norm): drop those, or use another attnres_query."
+            )
+
     def depth_layout(self) -> dict:
         """The settings that decide what trained weights compute: the rule, and for Block AttnRes its block size, for
-        mHC its number of streams."""
+        mHC its number of streams, for AttnRes the ablation options set away from their defaults."""
         layout = {"attnres_mode": self.attnres_mode}
         if RESIDUAL_RULES[self.attnres_mode].sources == "blocks":
             layout["attnres_block_size"] = self.attnres_block_size
         if self.attnres_mode == "mhc":
             layout["attnres_num_streams"] = self.attnres_num_streams
-        return layout
+        # Only those set: a layout saved before the options existed is the same layout
+        return layout | {name: getattr(self, name) for name in self.ablated_options()}
+
+    def ablated_options(self) -> tuple[str, ...]:
+        """The ablation options set away from the paper's AttnRes."""
+        return tuple(name for name, option in ATTNRES_OPTIONS.items() if getattr(self, name) != option.default)
 
     def _check_saved_layout(self) -> None:
         saved, layout = self.attnres_saved_layout, self.depth_layout()
@@ -360,9 +441,10 @@ class AttnResConfig(PreTrainedConfig):
         if saved is None or saved == layout:
             return
         # The rule first: under another rule the block size means nothing
-        keys = ("attnres_mode", "attnres_block_size", "attnres_num_streams")
+        keys = ("attnres_mode", "attnres_block_size", "attnres_num_streams", *ATTNRES_OPTIONS)
         key = next(key for key in keys if saved.get(key) != layout.get(key))
-        edited, made_with = f"{key}={layout[key]!r}", f"{key}={saved.get(key)!r}"
+        default = ATTNRES_OPTIONS[key].default if key in ATTNRES_OPTIONS else None  # an option absent: its default
+        edited, made_with = f"{key}={getattr(self, key)!r}", f"{key}={saved.get(key, default)!r}"
         raise AttnResConfigError(
             f"config.json says {edited}, but the weights saved with it were made with {made_with} "
             "(its attnres_saved_layout), and would compute something else: put the saved value back, or, to run "
@@ -437,14 +519,15 @@ class AttnResConfig(PreTrainedConfig):
 
     def num_sources(self) -> list[int]:
         """How many sources each sublayer mixes, in order (A0, M0, A1, ...), then the output aggregation (1 for each
-        of the recurrences: the stream)."""
+        of the recurrences: the stream); with `attnres_window`, at most the embedding and the window."""
         counts, completed, has_partial = [], 0, True  # before layer 0 the partial sum is the embedding
         for sublayer in range(2 * self.text_config.num_hidden_layers):
             if self.sublayer_starts_block(sublayer):
                 completed, has_partial = completed + 1, False
             counts.append(completed + has_partial)
             has_partial = True
-        return counts + [completed + 1]
+        counts.append(completed + 1)
+        return counts if self.attnres_window is None else [min(count, 1 + self.attnres_window) for count in counts]
 
 
 AttnResConfig.register_for_auto_class()  # save_pretrained copies this file next to the weights

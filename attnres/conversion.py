@@ -23,7 +23,7 @@ from attnres_cli.options import CONVERT_DTYPES
 
 from .auto import added_parameter_count, is_attnres_parameter
 from .cards import conversion_record, describe_layout, model_card, origin_record, write_origin
-from .configuration_attnres import RESIDUAL_RULES, AttnResConfig
+from .configuration_attnres import ATTNRES_OPTIONS, RESIDUAL_RULES, AttnResConfig
 from .folders import check_output_dir, disk_space_for, output_lock, replace_fix, tensor_bytes, written_whole
 from .modeling_attnres import AttnResForCausalLM
 from .sources import (
@@ -49,10 +49,15 @@ class VerificationError(ConversionError):
 
 
 def attnres_config_for(
-    source_config: PreTrainedConfig, mode: str = "block", block_size: int | None = None, exact_start: bool = True
+    source_config: PreTrainedConfig,
+    mode: str = "block",
+    block_size: int | None = None,
+    exact_start: bool = True,
+    options: dict | None = None,
 ) -> AttnResConfig:
     """The AttnRes config around `source_config`'s text model, set to reproduce the source exactly at init; with
-    `exact_start=False`, set as the rule of `mode` initialises for training from scratch (any rule).
+    `exact_start=False`, set as the rule of `mode` initialises for training from scratch (any rule). `options`: the
+    config's rule options by field name (`ATTNRES_OPTIONS`, `attnres_num_streams`).
 
     Raises `ConversionError` (listing the supported families) for architectures AttnRes cannot wrap, so callers can
     check a checkpoint from its config alone, before loading any weights.
@@ -74,6 +79,14 @@ def attnres_config_for(
             "(attnres train --convert --from-scratch), or convert to a rule that starts exact: "
             f"{', '.join(name for name, other in RESIDUAL_RULES.items() if other.converts is None)}"
         )
+    options = options or {}
+    for name, value in options.items():
+        option = ATTNRES_OPTIONS.get(name)
+        if exact_start and option is not None and option.converts is not None and value != option.default:
+            raise ConversionError(
+                f"{name}={value!r} cannot start as the source computes: {option.converts}. Train it from scratch "
+                "(attnres train --convert --from-scratch), or convert without it"
+            )
     try:
         return AttnResConfig(
             text_config=text_config_dict,
@@ -81,6 +94,7 @@ def attnres_config_for(
             attnres_block_size=block_size,
             attnres_scale_by_num_sources=exact_start,
             attnres_scale_init=1.0 if exact_start else None,  # ReZero and LayerScale start as the plain stream
+            **options,
         )
     except ValueError as error:
         raise ConversionError(f"cannot convert a '{source_config.model_type}' checkpoint: {error}") from error
@@ -93,6 +107,7 @@ def convert_to_attnres(
     dtype: torch.dtype | None = None,
     gguf_file: str | None = None,
     trust_remote_code: bool = False,
+    options: dict | None = None,
 ) -> AttnResForCausalLM:
     """Block (or Full) AttnRes holding the source's weights, with its AttnRes parameters at their init.
 
@@ -106,15 +121,17 @@ def convert_to_attnres(
         trust_remote_code: Run the code that a `source` to load brings (the `auto_map` of its config.json); a source
             that needs it (a model type transformers does not know) is refused otherwise, and one of a model type
             transformers knows loads with transformers' class; see `attnres.sources.trust_remote_code_for`.
+        options: The rule's options by config field (`attnres_query`, ..., `attnres_num_streams`); see
+            `attnres_config_for`.
 
     The converted model holds the source's own tensors rather than copies (unless `dtype` casts them), which keeps
     peak memory at about one copy of the weights: do not keep training the source alongside it.
     """
     if not isinstance(source, PreTrainedModel):
         source_config = load_source_config(source, gguf_file, trust_remote_code)
-        attnres_config_for(source_config, mode, block_size)  # fail early
+        attnres_config_for(source_config, mode, block_size, options=options)  # fail early
         source = load_source(source, dtype, gguf_file, trust_remote_code)
-    config = attnres_config_for(source.config, mode, block_size)
+    config = attnres_config_for(source.config, mode, block_size, options=options)
     text_model, lm_head = source.get_decoder(), source.get_output_embeddings()
     text_model_weights = {f"model.{name}": tensor for name, tensor in text_model.state_dict().items()}
     text_model_weights |= {f"lm_head.{name}": tensor for name, tensor in lm_head.state_dict().items()}
@@ -181,6 +198,7 @@ def convert_checkpoint(
     max_shard_size: int | str = "5GB",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    options: dict | None = None,
 ) -> VerificationReport | None:
     """Convert a checkpoint on disk or on the Hub into a self-contained AttnRes folder, verified against its source.
 
@@ -197,13 +215,14 @@ def convert_checkpoint(
     source, output_dir = str(source), Path(output_dir)
     with output_lock(output_dir, ConversionError):  # two conversions into one folder would mix their files
         check_output_dir(output_dir, ConversionError, {"the source model": source}, replace_fix(overwrite))
-        config = attnres_config_for(load_source_config(source, gguf_file, trust_remote_code), mode, block_size)
+        source_config = load_source_config(source, gguf_file, trust_remote_code)
+        config = attnres_config_for(source_config, mode, block_size, options=options)
         logger.info("Source: %s", source + (f", {gguf_file}" if gguf_file else ""))
         logger.info(describe_layout(config))
 
         source_model, tokenizer = load_source_and_tokenizer(source, gguf_file, dtype, trust_remote_code)
         logger.info("[2/4] Converting")
-        model = convert_to_attnres(source_model, mode, block_size)
+        model = convert_to_attnres(source_model, mode, block_size, options=options)
         logger.info("AttnRes adds %s parameters", f"{added_parameter_count(model):,}")
 
         report = None

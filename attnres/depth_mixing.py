@@ -9,16 +9,18 @@ reference beside each fused kernel, this file holds two functions with the same 
 direct computation, and `depth_mix_two_phase` (paper Algorithm 1), which the model runs. Phase 1 scores queries
 against the completed blocks, whose inverse RMS the depth state keeps from when each closed; a decoder layer runs it
 once for both of its sublayers (`score_completed_blocks`). Phase 2 lets the partial sum join the softmax and reads the
-mixture.
+mixture. `DepthAttention` holds the paper's ablations of this formula (its Table 4), each one field.
 
 Shapes: B batch, T tokens, n completed blocks, q queries, S sources of one sublayer (n, or n + 1 with the partial
-sum), d hidden size. Plain tensor ops: PyTorch differentiates and compiles them. This file is copied next to the
-weights as remote code, with modeling_attnres.py: it imports only torch and the standard library.
+sum), H depth heads (channel groups, 1 unless ablated), d hidden size. Plain tensor ops: PyTorch differentiates and
+compiles them. This file is copied next to the weights as remote code, with modeling_attnres.py: it imports only torch
+and the standard library.
 """
 
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -43,6 +45,19 @@ class AttnResPseudoQuery(nn.Module):
         return self.weight[0]
 
 
+class AttnResQueryProjection(nn.Module):
+    """The input-dependent query's projection W [d,d] of one sublayer (ablation `query="projected"`): the query is
+    w + W RMSNorm(v), v the latest source. Zero at init, so the query starts as the pseudo-query w. Not an
+    `nn.Linear`, for the reason `AttnResPseudoQuery` gives."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size, hidden_size))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
 class AttnResKeyNorm(nn.Module):
     """The RMSNorm of the depth keys: its gain g [d] and eps. The values stay raw (paper Eq. 2, A4).
 
@@ -59,7 +74,78 @@ class AttnResKeyNorm(nn.Module):
         return self.weight
 
 
-DepthHead = tuple[AttnResPseudoQuery, AttnResKeyNorm]  # what one sublayer's depth mix learns
+class AttnResSourceLogits(nn.Module):
+    """The learned logit of each source of one sublayer (ablation `query="scalars"`: input-independent mixing, no query
+    and no key), zero at init: uniform weights, as zero pseudo-queries give."""
+
+    def __init__(self, num_sources: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_sources))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+# The weights of the sources from their logits [..., S, H], and the factor that makes zero logits read the plain sum
+# of the sources (`scale_by_num_sources`): softmax gives each 1/S, a sigmoid 1/2
+SCORES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[int], int]]] = {
+    "softmax": (partial(torch.softmax, dim=-2), lambda num_sources: num_sources),
+    "sigmoid": (torch.sigmoid, lambda num_sources: 2),  # not renormalised: each source weighs on its own
+}
+QUERIES = ("pseudo", "projected", "scalars")
+
+
+@dataclass(frozen=True)
+class DepthAttention:
+    """How Block and Full AttnRes weigh their sources: the paper's AttnRes, or its ablations (paper Table 4), one
+    field each. The defaults are the paper's AttnRes."""
+
+    eps: float  # of the keys' RMSNorm, and of the RMSNorm before a query projection
+    query: str = "pseudo"  # "pseudo": w; "projected": w + W RMSNorm(latest source); "scalars": a logit per source
+    score: str = "softmax"  # or "sigmoid" (a key of SCORES)
+    key_norm: bool = True  # False: the keys are the raw sources
+    heads: int = 1  # channel groups, each with its own weights over depth
+    window: int | None = None  # Full AttnRes: the embedding and the `window` latest sublayer outputs only
+
+    @classmethod
+    def of(cls, config) -> "DepthAttention":
+        return cls(
+            config.attnres_eps,
+            config.attnres_query,
+            config.attnres_score,
+            config.attnres_key_norm,
+            config.attnres_depth_heads,
+            config.attnres_window,
+        )
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The modules of one sublayer's head (see `DepthRule.parts`)."""
+        if self.query == "scalars":
+            return ("logits",)
+        return ("proj",) + ("query_proj",) * (self.query == "projected") + ("norm",) * self.key_norm
+
+    @property
+    def shares_phase_one(self) -> bool:
+        """Whether a layer's two sublayers score the same completed blocks with queries known before the layer runs."""
+        return self.query == "pseudo" and self.window is None
+
+
+class DepthParameters(NamedTuple):
+    """What one sublayer's depth attention learns, read from its head; None where `DepthAttention` has no such part."""
+
+    pseudo_query: torch.Tensor | None = None  # w [d]
+    query_projection: torch.Tensor | None = None  # W [d,d]
+    key_gain: torch.Tensor | None = None  # g [d]
+    source_logits: torch.Tensor | None = None  # [S]
+
+
+PARAMETER_OF_PART = {
+    "proj": "pseudo_query",
+    "query_proj": "query_projection",
+    "norm": "key_gain",
+    "logits": "source_logits",
+}
 
 
 def fp32_region(like: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -106,21 +192,54 @@ class DepthState(NamedTuple):
         partial_sum = sublayer_output if self.partial_sum is None else self.partial_sum + sublayer_output
         return DepthState(self.completed_blocks, self.completed_inv_rms, partial_sum)
 
+    def sources(self) -> tuple[torch.Tensor, ...]:
+        """The sources of a sublayer that reads this state, in order: the completed blocks, then the partial sum."""
+        return self.completed_blocks + (() if self.partial_sum is None else (self.partial_sum,))
+
+    def window(self, size: int | None) -> "DepthState":
+        """The state a sliding window reads: the embedding and the `size` latest of the other sources (Full AttnRes:
+        sublayer outputs). The older ones stay in the state, unread."""
+        num_completed = len(self.completed_blocks)
+        kept = num_completed - 1 if size is None else min(num_completed - 1, size - (self.partial_sum is not None))
+        if kept == num_completed - 1:
+            return self
+        start = num_completed - kept
+        blocks = self.completed_blocks[:1] + self.completed_blocks[start:]
+        inv_rms = torch.cat([self.completed_inv_rms[..., :1], self.completed_inv_rms[..., start:]], dim=-1)
+        return DepthState(blocks, inv_rms, self.partial_sum)
+
+
+def sublayer_query(depth: DepthState, learned: DepthParameters, eps: float) -> torch.Tensor:
+    """The query: w [1,d], or, with a projection, w + W RMSNorm(v) per token [B,T,1,d] from the latest source v. fp32"""
+    query = upcast(learned.pseudo_query).unsqueeze(0)
+    if learned.query_projection is None:
+        return query
+    latest = depth.sources()[-1]  # [B,T,d]
+    normalized = upcast(latest) * inverse_rms(latest, eps).unsqueeze(-1)
+    return (query + normalized @ upcast(learned.query_projection).T).unsqueeze(-2)
+
 
 def depth_mix_reference(
-    depth: DepthState, pseudo_query: torch.Tensor, key_gain: torch.Tensor, eps: float, scale_by_num_sources: bool
+    depth: DepthState, learned: DepthParameters, options: DepthAttention, scale_by_num_sources: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The direct computation (paper Fig. 2), the reference for `depth_mix_two_phase`: stack the sources, normalise
-    them as keys, score, softmax, weighted sum. -> mixed input [B,T,d], depth weights [B,T,S]"""
-    partial = () if depth.partial_sum is None else (depth.partial_sum,)
-    sources = torch.stack(depth.completed_blocks + partial, dim=-2)  # [B,T,S,d]
+    them as keys, score per channel group, softmax (or sigmoid), weighted sum. -> mixed input [B,T,d], depth weights
+    [B,T,S] (the mean over the channel groups)"""
+    sources = torch.stack(depth.sources(), dim=-2)  # [B,T,S,d]
+    weigh, exact_start_scale = SCORES[options.score]
     with fp32_region(sources):
-        keys = upcast(sources) * inverse_rms(sources, eps).unsqueeze(-1) * upcast(key_gain)  # [B,T,S,d]
-        weights = (keys @ upcast(pseudo_query)).softmax(-1)  # [B,T,S]; no 1/sqrt(d)
-        mixed = (weights.unsqueeze(-1) * upcast(sources)).sum(-2)  # [B,T,d]
-        if scale_by_num_sources:
-            mixed = mixed * sources.shape[-2]
-    return mixed.to(sources.dtype), weights
+        values = upcast(sources)
+        if options.query == "scalars":
+            logits = upcast(learned.source_logits).unsqueeze(-1).expand(*sources.shape[:-1], 1)  # [B,T,S,1]
+        else:
+            keys = values * inverse_rms(sources, options.eps).unsqueeze(-1) * upcast(learned.key_gain) \
+                if options.key_norm else values  # fmt: skip
+            products = keys * sublayer_query(depth, learned, options.eps)  # [B,T,S,d]
+            logits = products.unflatten(-1, (options.heads, -1)).sum(-1)  # [B,T,S,H]; no 1/sqrt(d)
+        weights = weigh(logits)  # [B,T,S,H]
+        value_weights = weights * exact_start_scale(sources.shape[-2]) if scale_by_num_sources else weights
+        mixed = (value_weights.unsqueeze(-1) * values.unflatten(-1, (options.heads, -1))).sum(-3)  # [B,T,H,d/H]
+    return mixed.flatten(-2).to(sources.dtype), weights.mean(-1)
 
 
 Blocks = torch.Tensor | tuple[torch.Tensor, ...]  # the completed blocks: stacked [B,T,n,d], or n x [B,T,d] as kept
@@ -135,73 +254,91 @@ def stacked_unless_compiled(completed_blocks: tuple[torch.Tensor, ...]) -> Block
     return completed_blocks if torch.compiler.is_compiling() else torch.stack(completed_blocks, dim=-2)
 
 
-def folded_query(pseudo_query: torch.Tensor, key_gain: torch.Tensor) -> torch.Tensor:
-    """w . (g * v / rms(v)) = (w * g) . v / rms(v): the key-norm gain folds into the query. -> [d] fp32"""
-    return upcast(pseudo_query) * upcast(key_gain)
+def folded_queries(query: torch.Tensor, key_gain: torch.Tensor | None, heads: int) -> torch.Tensor:
+    """w . (g * v / rms(v)) = (w * g) . v / rms(v): the key-norm gain folds into the query, which channel groups split
+    into one query per group, zero outside it. [1,d] or [B,T,1,d] -> [H,d] or [B,T,H,d] fp32"""
+    query = query if key_gain is None else query * upcast(key_gain)
+    if heads == 1:
+        return query
+    group_of_channel = torch.arange(query.shape[-1], device=query.device) // (query.shape[-1] // heads)  # [d]
+    return query * (group_of_channel == torch.arange(heads, device=query.device).unsqueeze(-1))  # [H,d] mask
 
 
-def completed_logits(blocks: Blocks, completed_inv_rms: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Phase 1: logits of the folded queries [q,d] against the completed blocks, each read once. -> [B,T,n,q]"""
+def completed_logits(blocks: Blocks, completed_inv_rms: torch.Tensor | None, queries: torch.Tensor) -> torch.Tensor:
+    """Phase 1: logits of the folded queries [q,d] (or per token [B,T,q,d]) against the completed blocks, each read
+    once, scaled by their inverse RMS where the keys are normalised. -> [B,T,n,q]"""
     if isinstance(blocks, torch.Tensor):  # stacked [B,T,n,d]
-        logits = upcast(blocks) @ queries.T
+        logits = upcast(blocks) @ queries.mT
     else:
-        logits = torch.stack([upcast(block) @ queries.T for block in blocks], dim=-2)
-    return logits * completed_inv_rms.unsqueeze(-1)
+        logits = torch.cat([upcast(block).unsqueeze(-2) @ queries.mT for block in blocks], dim=-2)
+    return logits if completed_inv_rms is None else logits * completed_inv_rms.unsqueeze(-1)
 
 
 def read_completed(weights: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """The completed blocks weighted by `weights` [B,T,n] and summed. -> [B,T,d] in the blocks' dtype"""
+    """The completed blocks weighted by `weights` [B,T,n,H] (each channel group by its own) and summed. -> [B,T,d] in
+    the blocks' dtype"""
+    heads = weights.shape[-1]
     if isinstance(blocks, torch.Tensor):  # stacked [B,T,n,d]
-        return (weights[..., None, :].to(blocks.dtype) @ blocks).squeeze(-2)
-    mixed = sum(weights[..., i, None] * upcast(block) for i, block in enumerate(blocks))
-    return mixed.to(blocks[0].dtype)
+        grouped = blocks.unflatten(-1, (heads, -1)).transpose(-3, -2)  # [B,T,H,n,d/H]
+        return (weights.mT.unsqueeze(-2).to(blocks.dtype) @ grouped).flatten(-3)
+    mixed = sum(weights[..., i, :, None] * upcast(block).unflatten(-1, (heads, -1)) for i, block in enumerate(blocks))
+    return mixed.flatten(-2).to(blocks[0].dtype)
 
 
 def merge_partial_sum(
-    block_logits: torch.Tensor,
+    logits: torch.Tensor,
     blocks: Blocks,
     partial_sum: torch.Tensor | None,
-    query: torch.Tensor,
-    eps: float,
+    score: str,
     scale_by_num_sources: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 2: the partial sum [B,T,d] joins the softmax over the completed blocks' logits [B,T,n].
+    """Phase 2: the weights over all sources, from their logits [B,T,S,H] (the partial sum's last), then one weighted
+    read of the completed blocks plus the partial sum [B,T,d].
 
-    One softmax over n + 1 logits equals the paper's online-softmax merge of the two groups; the mixture is then one
-    weighted read of the completed blocks plus the partial sum. -> mixed input [B,T,d], depth weights [B,T,S]
+    One softmax over n + 1 logits equals the paper's online-softmax merge of the two groups.
+    -> mixed input [B,T,d], depth weights [B,T,S] (the mean over channel groups)
     """
-    logits = block_logits
-    if partial_sum is not None:
-        partial_logit = (upcast(partial_sum) @ query) * inverse_rms(partial_sum, eps)  # [B,T]
-        logits = torch.cat([block_logits, partial_logit.unsqueeze(-1)], dim=-1)
-    weights = logits.softmax(-1)  # [B,T,S]
+    weigh, exact_start_scale = SCORES[score]
+    weights = weigh(logits)  # [B,T,S,H]
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
-    value_weights = weights * weights.shape[-1] if scale_by_num_sources else weights
-    num_completed = block_logits.shape[-1]
-    mixed = read_completed(value_weights[..., :num_completed], blocks)  # [B,T,d]
+    value_weights = weights * exact_start_scale(weights.shape[-2]) if scale_by_num_sources else weights
+    num_completed = len(blocks) if isinstance(blocks, tuple) else blocks.shape[-2]
+    mixed = read_completed(value_weights[..., :num_completed, :], blocks)  # [B,T,d]
     if partial_sum is not None:
-        partial_weight = value_weights[..., num_completed:].to(partial_sum.dtype)  # [B,T,1]
-        mixed = torch.addcmul(mixed, partial_weight, partial_sum)
-    return mixed, weights
+        heads = weights.shape[-1]
+        partial_weight = value_weights[..., num_completed, :, None].to(partial_sum.dtype)  # [B,T,H,1]
+        grouped = mixed.unflatten(-1, (heads, -1)), partial_sum.unflatten(-1, (heads, -1))  # [B,T,H,d/H] each
+        mixed = torch.addcmul(grouped[0], partial_weight, grouped[1]).flatten(-2)
+    return mixed, weights.mean(-1)
 
 
 def depth_mix_two_phase(
     depth: DepthState,
-    pseudo_query: torch.Tensor,
-    key_gain: torch.Tensor,
-    eps: float,
+    learned: DepthParameters,
+    options: DepthAttention,
     scale_by_num_sources: bool,
     block_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`depth_mix_reference` in two phases (paper Algorithm 1), with the completed blocks' inverse RMS that the depth
-    state keeps. `block_logits` [B,T,n]: this query's phase 1, where `score_completed_blocks` ran it for the whole
+    state keeps. `block_logits` [B,T,n,H]: this query's phase 1, where `score_completed_blocks` ran it for the whole
     layer; without it, phase 1 runs here. -> mixed input [B,T,d], depth weights [B,T,S]"""
-    query = folded_query(pseudo_query, key_gain)  # [d]
     with fp32_region(depth.completed_inv_rms):
         blocks = stacked_unless_compiled(depth.completed_blocks)
-        if block_logits is None:
-            block_logits = completed_logits(blocks, depth.completed_inv_rms, query[None])[..., 0]
-        return merge_partial_sum(block_logits, blocks, depth.partial_sum, query, eps, scale_by_num_sources)
+        if options.query == "scalars":  # no keys: the logits are the parameters
+            num_sources = len(depth.sources())
+            logits = (
+                upcast(learned.source_logits).unsqueeze(-1).expand(*depth.completed_inv_rms.shape[:-1], num_sources, 1)
+            )
+        else:
+            queries = folded_queries(sublayer_query(depth, learned, options.eps), learned.key_gain, options.heads)
+            inv_rms = depth.completed_inv_rms if options.key_norm else None
+            logits = completed_logits(blocks, inv_rms, queries) if block_logits is None else block_logits
+            if depth.partial_sum is not None:
+                partial_inv_rms = (
+                    inverse_rms(depth.partial_sum, options.eps).unsqueeze(-1) if options.key_norm else None
+                )
+                logits = torch.cat([logits, completed_logits((depth.partial_sum,), partial_inv_rms, queries)], dim=-2)
+        return merge_partial_sum(logits, blocks, depth.partial_sum, options.score, scale_by_num_sources)
 
 
 def recomputed(function: Callable[..., tuple | torch.Tensor], *inputs: torch.Tensor | None) -> tuple | torch.Tensor:
@@ -216,29 +353,41 @@ def recomputed(function: Callable[..., tuple | torch.Tensor], *inputs: torch.Ten
     return function(*inputs)
 
 
-def score_completed_blocks(depth: DepthState, *depth_heads: DepthHead) -> tuple[torch.Tensor, ...]:
+def learned_parameters(head: tuple[nn.Module, ...], options: DepthAttention, device: torch.device) -> DepthParameters:
+    """What the head's modules hold, read in module calls for hooks to see, and brought to the depth state's device
+    because a device map may place a head's modules elsewhere (Accelerate moves the arguments of a module call, not its
+    output)."""
+    return DepthParameters(
+        **{PARAMETER_OF_PART[part]: module().to(device) for part, module in zip(options.parts, head, strict=True)}
+    )
+
+
+def score_completed_blocks(depth: DepthState, options: DepthAttention, *heads: tuple[nn.Module, ...]) -> tuple:
     """Phase 1 for several sublayers that read the same completed blocks (a decoder layer's attention and MLP): their
-    folded queries scored in one product. -> one [B,T,n] per head"""
+    folded queries scored in one product. -> one [B,T,n,H] per head"""
     device = depth.completed_inv_rms.device
-    # The parameters are read here, in the module calls, for hooks to see; brought to the blocks' device because a
-    # device map may place a head's modules elsewhere, and Accelerate moves the arguments of a module call, not its
-    # output.
-    queries = torch.stack(
-        [folded_query(pseudo_query().to(device), key_norm().to(device)) for pseudo_query, key_norm in depth_heads]
-    )  # [q,d]
+    queries = torch.cat(
+        [
+            folded_queries(sublayer_query(depth, learned, options.eps), learned.key_gain, options.heads)
+            for learned in (learned_parameters(head, options, device) for head in heads)
+        ]
+    )  # [q*H,d]
 
     def score(queries, completed_inv_rms, *completed_blocks):
         with fp32_region(completed_inv_rms):
-            return completed_logits(stacked_unless_compiled(completed_blocks), completed_inv_rms, queries)
+            inv_rms = completed_inv_rms if options.key_norm else None
+            return completed_logits(stacked_unless_compiled(completed_blocks), inv_rms, queries)
 
-    logits = recomputed(score, queries, depth.completed_inv_rms, *depth.completed_blocks)  # [B,T,n,q]
-    # Selected, not unbound: torch's lazy tensors (a second device in the device-map tests) cannot cat unbind's views
-    return tuple(logits[..., head] for head in range(len(depth_heads)))
+    logits = recomputed(score, queries, depth.completed_inv_rms, *depth.completed_blocks)  # [B,T,n,q*H]
+    # Sliced, not split: torch's lazy tensors (a second device in the device-map tests) cannot cat split's views
+    heads_count = options.heads
+    return tuple(logits[..., i * heads_count : (i + 1) * heads_count] for i in range(len(heads)))
 
 
 def depth_attention(
     depth: DepthState,
-    depth_head: DepthHead,
+    head: tuple[nn.Module, ...],
+    options: DepthAttention,
     input_norm: Callable[[torch.Tensor], torch.Tensor],
     block_logits: torch.Tensor | None,
     *,
@@ -246,26 +395,25 @@ def depth_attention(
     scale_by_num_sources: bool,
     recompute: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (normalised) input of one sublayer, mixed over the depth state by its (pseudo-query, key norm).
+    """The (normalised) input of one sublayer, mixed over the depth state (its window of it) by its head's modules.
 
-    `block_logits` [B,T,n]: this sublayer's phase 1 (`two_phase` only), None to score here. `two_phase`: False runs
+    `block_logits` [B,T,n,H]: this sublayer's phase 1 (`two_phase` only), None to score here. `two_phase`: False runs
     `depth_mix_reference`. `recompute`: `input_norm` runs inside the recomputed region (the mix output is then not kept
     either), after it otherwise. -> sublayer input [B,T,d], depth weights [B,T,S] fp32
     """
-    query_module, key_norm = depth_head
-    device, eps = depth.completed_inv_rms.device, key_norm.eps
-    pseudo_query, key_gain = query_module().to(device), key_norm().to(device)  # see score_completed_blocks
+    depth = depth.window(options.window)
+    learned = learned_parameters(head, options, depth.completed_inv_rms.device)
 
-    def mix(pseudo_query, key_gain, block_logits, partial_sum, completed_inv_rms, *completed_blocks):
+    def mix(learned, block_logits, partial_sum, completed_inv_rms, *completed_blocks):
         state = DepthState(completed_blocks, completed_inv_rms, partial_sum)
         if two_phase:
-            mixed, weights = depth_mix_two_phase(state, pseudo_query, key_gain, eps, scale_by_num_sources, block_logits)
+            mixed, weights = depth_mix_two_phase(state, learned, options, scale_by_num_sources, block_logits)
         else:
-            mixed, weights = depth_mix_reference(state, pseudo_query, key_gain, eps, scale_by_num_sources)
+            mixed, weights = depth_mix_reference(state, learned, options, scale_by_num_sources)
         return (input_norm(mixed) if recompute else mixed), weights
 
     depth_inputs = (depth.partial_sum, depth.completed_inv_rms, *depth.completed_blocks)
-    sublayer_input, weights = recomputed(mix, pseudo_query, key_gain, block_logits, *depth_inputs)
+    sublayer_input, weights = recomputed(mix, learned, block_logits, *depth_inputs)
     return (sublayer_input if recompute else input_norm(sublayer_input)), weights
 
 
@@ -439,6 +587,15 @@ class DepthRule:
     mixes_sources = False  # whether reads weigh sources, the output aggregation's too (which then has a head)
 
     @property
+    def all_parts(self) -> tuple[str, ...]:
+        """The parts a head of this rule may have, under any of its options."""
+        return self.parts
+
+    def configured(self, config) -> "DepthRule":
+        """The rule as `config` sets it (AttnRes: its ablation options); the others take nothing from it."""
+        return self
+
+    @property
     def output_parts(self) -> tuple[str, ...]:
         """The parts of the output aggregation's head: only a rule that weighs sources weighs them there too."""
         return self.parts if self.mixes_sources else ()
@@ -472,20 +629,39 @@ class DepthRule:
 
 
 class AttnResRule(DepthRule):
-    """Block and Full AttnRes: each sublayer's input is its depth attention over the sources."""
+    """Block and Full AttnRes: each sublayer's input is its depth attention over the sources, as `options` (the
+    config's, through `configured`) weigh them."""
 
-    parts = ("proj", "norm")
     mixes_sources = True
+    all_parts = ("proj", "query_proj", "norm", "logits")  # under any options
+
+    def __init__(self, options: DepthAttention | None = None):
+        self.options = options or DepthAttention(eps=0.0)
+
+    def configured(self, config) -> "AttnResRule":
+        return AttnResRule(DepthAttention.of(config))
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return self.options.parts
 
     def heads(self, config, sources, sublayer):
         hidden_size = config.text_config.hidden_size
-        return {"proj": AttnResPseudoQuery(hidden_size), "norm": AttnResKeyNorm(hidden_size, config.attnres_eps)}
+        modules = {
+            "proj": lambda: AttnResPseudoQuery(hidden_size),
+            "query_proj": lambda: AttnResQueryProjection(hidden_size),
+            "norm": lambda: AttnResKeyNorm(hidden_size, config.attnres_eps),
+            "logits": lambda: AttnResSourceLogits(sources),
+        }
+        return {part: modules[part]() for part in self.parts}
 
     def score(self, depth, heads):
-        return score_completed_blocks(depth, *heads)
+        if not self.options.shares_phase_one:  # the queries of a projection come from the sublayer's own sources
+            return (None,) * len(heads)
+        return score_completed_blocks(depth, self.options, *heads)
 
     def read(self, depth, head, norm, scores, flags):
-        return depth_attention(depth, head, norm, scores, **flags)
+        return depth_attention(depth, head, self.options, norm, scores, **flags)
 
 
 class PostNormRule(DepthRule):

@@ -37,6 +37,8 @@ from .depth_mixing import (
     DEPTH_RULES,
     AttnResKeyNorm,
     AttnResPseudoQuery,
+    AttnResQueryProjection,
+    AttnResSourceLogits,
     DepthState,
     HighwayGate,
     HyperConnection,
@@ -176,7 +178,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         for name, child in source_layer.named_children():
             self.add_module(name, child)
         # What the depth-mixing rule learns for each sublayer: `self_attention_res_<part>` and `mlp_res_<part>`
-        self.rule = DEPTH_RULES[config.attnres_mode]
+        self.rule = DEPTH_RULES[config.attnres_mode].configured(config)
         sources = config.num_sources()
         for sublayer, index in (("self_attention", 2 * layer_idx), ("mlp", 2 * layer_idx + 1)):
             for part, module in self.rule.heads(config, sources[index], index).items():
@@ -328,7 +330,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         return super()._flex_attn_can_dispatch(is_init_check)
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, AttnResPseudoQuery):
+        if isinstance(module, (AttnResPseudoQuery, AttnResQueryProjection, AttnResSourceLogits)):
             init.zeros_(module.weight)  # "all pseudo-query vectors must be initialized to zero" (paper §5)
         elif isinstance(module, (AttnResKeyNorm, SourceWeights)):
             init.ones_(module.weight)
@@ -366,7 +368,7 @@ class AttnResModel(AttnResPreTrainedModel):
             [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(text_config.num_hidden_layers)]
         )
         # The final aggregation over all blocks, before the final norm (paper §3.2, A1): `output_attn_res_<part>`
-        self.rule = DEPTH_RULES[config.attnres_mode]
+        self.rule = DEPTH_RULES[config.attnres_mode].configured(config)
         if self.rule.output_parts:
             output_index = 2 * text_config.num_hidden_layers
             for part, module in self.rule.heads(config, config.num_sources()[-1], output_index).items():

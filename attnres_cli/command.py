@@ -43,6 +43,8 @@ from .options import (
     TASK_ALIASES,
     TRUST_REMOTE_CODE_HELP,
     TrainingConfig,
+    add_rule_arguments,
+    rule_options,
     check_block_size,
     size_in_bytes,
 )
@@ -125,6 +127,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-size", type=int, help="decoder layers per block in block mode (default: about 8 blocks)"
     )
+    add_rule_arguments(parser)
     parser.add_argument(
         "--dtype", choices=CONVERT_DTYPES, default="float32", help="dtype of the converted weights (default: float32)"
     )
@@ -402,6 +405,7 @@ def run_convert(args: argparse.Namespace) -> int:
         max_shard_size=size_in_bytes(args.max_shard_size),
         device=args.device,
         trust_remote_code=args.trust_remote_code,
+        options=rule_options(args),
     )
     print("Verification:\n" + report.format() if report is not None else "Verification skipped (--no-verify).")
     print(

@@ -48,6 +48,53 @@ MODES_HELP = (
     + "; ".join(f"{mode}, {label}" for mode, (label, *_) in RESIDUAL_RULES.items())
     + f". {', '.join(FROM_SCRATCH_ONLY)} cannot start as the source computes: train them --from-scratch"
 )
+# The options of the rules, on `attnres convert` and `attnres train --convert`: each option's name (its dest) -> the
+# config field it sets, and its help. The AttnRes ablations' choices are the configuration's (ATTNRES_OPTIONS).
+ATTNRES_OPTIONS = configuration_table("ATTNRES_OPTIONS")  # field -> (default, choices)
+RULE_OPTIONS = {
+    "query": (
+        "attnres_query",
+        "Block and Full AttnRes: what scores the sources: pseudo, the paper's learned pseudo-query (default); "
+        "projected, a query projected from the latest source per token (a d x d matrix per sublayer); scalars, a "
+        "learned logit per source in place of query and key",
+    ),
+    "score": ("attnres_score", "Block and Full AttnRes: softmax over the sources (default), or a sigmoid of each"),
+    "no_key_norm": ("attnres_key_norm", "Block and Full AttnRes: score the raw sources, without the keys' RMSNorm"),
+    "depth_heads": (
+        "attnres_depth_heads",
+        "Block and Full AttnRes: channel groups, each with its own depth weights; a divisor of the hidden size "
+        "(default: 1)",
+    ),
+    "window": (
+        "attnres_window",
+        "Full AttnRes: mix the embedding and only the N latest sublayer outputs (default: all); it cannot start as "
+        "the source, so conversion refuses it: train it with --convert --from-scratch",
+    ),
+    "num_streams": ("attnres_num_streams", "mHC: the number of residual streams, at least 2 (default: 4)"),
+}
+
+
+def rule_options(options) -> dict:
+    """The config fields that the rule options of `options` (a namespace or TrainingConfig) set, by field name; those
+    left unset are not passed."""
+    chosen = {name: getattr(options, dest) for dest, (name, _) in RULE_OPTIONS.items()}
+    chosen["attnres_key_norm"] = not chosen["attnres_key_norm"]  # from --no-key-norm
+    defaults = {name: default for name, (default, *_) in ATTNRES_OPTIONS.items()}
+    return {name: value for name, value in chosen.items() if value is not None and value != defaults.get(name)}
+
+
+def add_rule_arguments(parser) -> None:
+    """The rule options as argparse arguments (`attnres convert`; `attnres train` declares them as fields)."""
+    for dest, (name, help_text) in RULE_OPTIONS.items():
+        flag = "--" + dest.replace("_", "-")
+        if dest == "no_key_norm":
+            parser.add_argument(flag, action="store_true", help=help_text)
+        elif name in ATTNRES_OPTIONS and ATTNRES_OPTIONS[name][1:]:
+            parser.add_argument(flag, choices=ATTNRES_OPTIONS[name][1], help=help_text)
+        else:
+            parser.add_argument(flag, type=int, metavar="N", help=help_text)
+
+
 # dtypes a command line may ask for: of converted weights (`attnres convert`), and to evaluate in (auto: the
 # checkpoint's own)
 CONVERT_DTYPES = ("float32", "bfloat16")
@@ -143,6 +190,16 @@ class TrainingConfig:
     block_size: int | None = field(
         default=None, metadata={"help": "decoder layers per block, with --convert (default: about 8 blocks)"}
     )
+    query: str | None = field(
+        default=None, metadata={"help": RULE_OPTIONS["query"][1], "choices": ATTNRES_OPTIONS["attnres_query"][1]}
+    )
+    score: str | None = field(
+        default=None, metadata={"help": RULE_OPTIONS["score"][1], "choices": ATTNRES_OPTIONS["attnres_score"][1]}
+    )
+    no_key_norm: bool = field(default=False, metadata={"help": RULE_OPTIONS["no_key_norm"][1]})
+    depth_heads: int | None = field(default=None, metadata={"help": RULE_OPTIONS["depth_heads"][1], "metavar": "N"})
+    window: int | None = field(default=None, metadata={"help": RULE_OPTIONS["window"][1], "metavar": "N"})
+    num_streams: int | None = field(default=None, metadata={"help": RULE_OPTIONS["num_streams"][1], "metavar": "N"})
     # Data
     dataset: str | None = field(
         default=None,
@@ -264,9 +321,12 @@ class TrainingConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and valid(value)):
                 raise TrainingError(f"--{name.replace('_', '-')} must be {wanted}, got {value}")
-        if not self.convert and (self.mode != "block" or self.block_size is not None or self.from_scratch):
+        if not self.convert and (
+            self.mode != "block" or self.block_size is not None or self.from_scratch or self.rule_options()
+        ):
             raise TrainingError(
-                "--mode, --block-size and --from-scratch choose how --convert converts: add --convert, or drop them"
+                "--mode, --block-size, --from-scratch and the rule options (--query, --score, --no-key-norm, "
+                "--depth-heads, --window, --num-streams) choose how --convert converts: add --convert, or drop them"
             )
         check_block_size(self.mode, self.block_size)
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
@@ -277,6 +337,10 @@ class TrainingConfig:
             raise TrainingError("--merge-lora merges LoRA adapters: it needs --train lora")
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
+
+    def rule_options(self) -> dict:
+        """The config fields that the rule options set (see `rule_options`)."""
+        return rule_options(self)
 
 
 # Numeric options that a number of the right type can still make nonsense of: (valid, what to pass); NaN and

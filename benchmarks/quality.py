@@ -3,9 +3,9 @@ each compare against a control that differs only where it should:
 
 - `sweep`: the PreNorm baseline at each size (`small`, about 1.2M parameters; `base`, about 4.8M) at four learning
   rates spanning 8x, seed 0. The best one is the learning rate of every arm of that size, as the paper does.
-- `table4`: the paper's Table 4 at our scale: each residual rule from scratch at `small` (the main ones also at
-  `base`), 3 seeds, 2.5M byte tokens per run. Per seed every rule starts from the same weights where the rules share
-  parameters and sees the same batches in the same order.
+- `table4`: the paper's Table 4 at our scale: each residual rule and AttnRes ablation from scratch at `small` (the
+  main rules also at `base`), 3 seeds, 2.5M byte tokens per run. Per seed every rule starts from the same weights
+  where the rules share parameters and sees the same batches in the same order.
 - `long`: PreNorm, Block and Full at `small` to 5M byte tokens, each a full cosine schedule over its whole run, 3
   seeds: does the gain last?
 - `convert-tiny`: the trained `small` PreNorm model of each seed is the "pretrained checkpoint", continued on a
@@ -130,8 +130,9 @@ SMOKE_SIZES = {
 # The PreNorm learning-rate sweep, one seed: four rates spanning 8x, centred lower for the wider model
 SWEEP_LRS = {"small": (1e-3, 2e-3, 4e-3, 8e-3), "base": (5e-4, 1e-3, 2e-3, 4e-3)}
 SEEDS = {"sweep": 1, "table4": 3, "long": 3, "convert-tiny": 3, "cpt-smollm2": 2}
-# Table 4's rules: at `small` all of them, at `base` the main ones. The rule names are `attnres_mode` values, and
-# `prenorm` is the source Llama itself (the same computation as attnres_mode="prenorm", in the class users train).
+# Table 4's rules: at `small` all of them and the ablations, at `base` the main ones. The rule names are
+# `attnres_mode` values (the ablations' are ABLATIONS' variants), and `prenorm` is the source Llama itself (the same
+# computation as attnres_mode="prenorm", in the class users train).
 RULES = {
     "prenorm": "PreNorm",
     "block": "Block AttnRes",
@@ -143,7 +144,20 @@ RULES = {
     "denseformer": "DenseFormer",
     "mhc": "mHC",
 }
-TABLE4_RULES = {"small": tuple(RULES), "base": ("prenorm", "block", "full")}
+# Table 4's ablations of AttnRes (paper §5.3), at `small` after the rules: variant -> (label, attnres_mode, options of
+# the config). The paper's H = 16 depth heads and window of W = 8 of its 32 sublayers; our `small` has 12 sublayers, so
+# its window is 3, the same quarter of the depth (8 would leave out nothing but the first sublayer outputs)
+ABLATIONS = {
+    "full-projected-query": ("Full w/ input-dependent query", "full", {"attnres_query": "projected"}),
+    "full-scalar-mixing": ("Full w/ input-independent mixing", "full", {"attnres_query": "scalars"}),
+    "full-sigmoid": ("Full w/ sigmoid", "full", {"attnres_score": "sigmoid"}),
+    "full-no-key-norm": ("Full w/o key RMSNorm", "full", {"attnres_key_norm": False}),
+    "full-window": ("Sliding window (W = 3 of 12 sublayers)", "full", {"attnres_window": 3}),
+    "block-multihead": ("Block w/ multihead (H = 16)", "block", {"attnres_depth_heads": 16}),
+    "block-no-key-norm": ("Block w/o key RMSNorm", "block", {"attnres_key_norm": False}),
+}
+RULES |= {variant: label for variant, (label, _, _) in ABLATIONS.items()}
+TABLE4_RULES = {"small": tuple(RULES), "base": ("prenorm", "block", "full", "denseformer", "mhc")}
 LONG_RULES = ("prenorm", "block", "full")
 # Options that take their value from the sweep when the run starts (the sweep's best learning rate of the size)
 TUNED_LR, QUARTER_TUNED_LR = "tuned", "tuned/4"
@@ -342,7 +356,8 @@ def scratch_model(config: LlamaConfig, rule: str, seed: int) -> PreTrainedModel:
     prenorm = LlamaForCausalLM(config)
     if rule == "prenorm":
         return prenorm
-    model = AttnResForCausalLM(AttnResConfig(text_config=config.to_dict(), attnres_mode=rule))
+    _, mode, options = ABLATIONS.get(rule, (None, rule, {}))
+    model = AttnResForCausalLM(AttnResConfig(text_config=config.to_dict(), attnres_mode=mode, **options))
     missing = model.load_state_dict(prenorm.state_dict(), strict=False).missing_keys
     assert all(is_attnres_parameter(name) for name in missing), missing
     return model

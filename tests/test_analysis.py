@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from tiny import VOCAB, attnres_twin, tiny_source_model, tiny_tokenizer
 
-from attnres.analysis import analyze, depth_weight_entropy
+from attnres.analysis import analyze, depth_weight_entropy, depth_weight_map
 from attnres_cli.command import main
 
 
@@ -110,3 +110,15 @@ def test_analyze_command_writes_the_report(tmp_path):
         "magnitudes.png",
         "gradients.png",
     }
+
+
+def test_a_window_places_each_weight_under_its_source():
+    """Full AttnRes with a window of 3: each row holds the embedding and the 3 latest sublayer outputs, in place."""
+    config = attnres_twin(tiny_source_model("llama", num_layers=3), attnres_mode="full", attnres_window=3).config
+    depth_weights = tuple(torch.arange(1.0, count + 1).expand(2, 4, count) for count in config.num_sources())
+    rows = depth_weight_map(config, depth_weights)
+    # Columns: the embedding, A0, M0, A1, M1, A2, M2. M0 reads the embedding and A0; M2 the embedding, A1, M1 and A2;
+    # the output aggregation the embedding, M1, A2 and M2
+    assert rows[1] == [1.0, 2.0, None, None, None, None, None]
+    assert rows[5] == [1.0, None, None, 2.0, 3.0, 4.0, None]
+    assert rows[6] == [1.0, None, None, None, 2.0, 3.0, 4.0]

@@ -10,7 +10,7 @@ from tiny import attnres_twin, random_ids, tiny_source_model
 from transformers import AutoModelForCausalLM
 
 from attnres import depth_mixing
-from attnres.depth_mixing import AttnResKeyNorm, AttnResPseudoQuery, DepthState, depth_attention
+from attnres.depth_mixing import AttnResKeyNorm, AttnResPseudoQuery, DepthAttention, DepthState, depth_attention
 from attnres.modeling_attnres import depth_mix_flags
 
 MODES = ["block", "full"]
@@ -122,7 +122,8 @@ def test_depth_logits_and_softmax_stay_fp32_under_autocast(implementation):
     def depth_weights():
         depth = DepthState(completed, inv_rms, partial_sum)
         flags = depth_mix_flags(model.config)
-        return depth_attention(depth, (pseudo_query, key_norm), lambda mixed: mixed, None, **flags)[1]
+        head, options = (pseudo_query, key_norm), DepthAttention(eps=1e-6)
+        return depth_attention(depth, head, options, lambda mixed: mixed, None, **flags)[1]
 
     plain = depth_weights()
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -20,6 +20,8 @@ from attnres.configuration_attnres import FAMILIES, SUPPORTED_FAMILIES
 from attnres.depth_mixing import (
     AttnResKeyNorm,
     AttnResPseudoQuery,
+    DepthAttention,
+    DepthParameters,
     DepthState,
     depth_mix_reference,
     depth_mix_two_phase,
@@ -101,13 +103,15 @@ def test_two_phase_mix_equals_the_reference_called_alike(with_partial_sum, scale
     partial_sum = torch.randn(2, 5, 64, generator=generator, dtype=torch.float64) if with_partial_sum else None
     depth = DepthState(blocks, inv_rms, partial_sum)
     heads = [(AttnResPseudoQuery(64).double(), AttnResKeyNorm(64, 1e-6).double()) for _ in range(2)]
+    options = DepthAttention(eps=1e-6)
     with torch.no_grad():
         for pseudo_query, key_norm in heads:
             pseudo_query.weight.normal_(generator=generator)
             key_norm.weight.uniform_(0.5, 1.5, generator=generator)
-        layer_logits = score_completed_blocks(depth, *heads)
+        layer_logits = score_completed_blocks(depth, options, *heads)
         for (pseudo_query, key_norm), block_logits in zip(heads, layer_logits, strict=True):
-            arguments = (depth, pseudo_query(), key_norm(), key_norm.eps, scale_by_num_sources)
+            learned = DepthParameters(pseudo_query=pseudo_query(), key_gain=key_norm())
+            arguments = (depth, learned, options, scale_by_num_sources)
             expected_input, expected_weights = depth_mix_reference(*arguments)
             for given_logits in (None, block_logits):
                 mixed, weights = depth_mix_two_phase(*arguments, given_logits)

@@ -231,7 +231,7 @@ def test_the_report_fills_the_page_from_the_files(smoke, tmp_path):
     assert "old" not in filled
     for label in list(quality.RULES.values()) + [label for label, _ in quality.CONVERT_VARIANTS.values()]:
         assert f"| {label} |" in filled, label
-    assert "| table4 | 18 of 36 |" in filled and "| sweep | 4 of 8 |" in filled and "| long | 0 of 9 |" in filled
+    assert "| table4 | 32 of 63 |" in filled and "| sweep | 4 of 8 |" in filled and "| long | 0 of 9 |" in filled
     assert "(2 pairs)" in filled and "(best: every arm's rate)" in filled
     assert filled.count("No run of this study has finished yet.") == 1  # the long runs
     for picture in ("quality_table4_gap.png", "quality_convert_tiny.png", "quality_cpt_smollm2.png"):

@@ -81,8 +81,14 @@ def text_batches() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("rule", list(RESIDUAL_RULES))
 def test_every_rule_trains_from_scratch(rule, family, text_batches):
     """30 AdamW steps on one module's text lower the loss on another module's text by at least 1 nat (of ~4.6)."""
+    before, after = held_out_losses_around_training(scratch_model(family, rule), text_batches)
+    print(f"{rule} {family}: held-out loss {before:.3f} -> {after:.3f}")
+    assert after < before - 1.0
+
+
+def held_out_losses_around_training(model, text_batches) -> tuple[float, float]:
+    """The held-out loss before and after 30 AdamW steps on the training text."""
     train_ids, held_out_ids = text_batches
-    model = scratch_model(family, rule)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def held_out_loss() -> float:
@@ -95,9 +101,7 @@ def test_every_rule_trains_from_scratch(rule, family, text_batches):
         model(batch, labels=batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    after = held_out_loss()
-    print(f"{rule} {family}: held-out loss {before:.3f} -> {after:.3f}")
-    assert after < before - 1.0
+    return before, held_out_loss()
 
 
 def randomize_rule_parameters(model: attnres.AttnResForCausalLM, seed: int = 0) -> None:
@@ -229,3 +233,204 @@ def test_the_model_card_names_the_rule_not_block_attnres(rule):
     config = attnres.AttnResConfig(text_config=tiny_source_config("llama", num_layers=4).to_dict(), attnres_mode=rule)
     layout = describe_layout(config)
     assert layout.startswith(RESIDUAL_RULES[rule].label) and "Block AttnRes" not in layout, layout
+
+
+# The paper's ablations of AttnRes (its Table 4), as options of Block and Full AttnRes: name -> (mode, options). Four
+# depth heads on the tiny models' hidden size of 64; a window of 3 sublayer outputs of their 8.
+ABLATIONS = {
+    "projected-query": ("full", dict(attnres_query="projected")),
+    "scalar-mixing": ("full", dict(attnres_query="scalars")),
+    "sigmoid": ("full", dict(attnres_score="sigmoid")),
+    "full-no-key-norm": ("full", dict(attnres_key_norm=False)),
+    "block-no-key-norm": ("block", dict(attnres_key_norm=False)),
+    "multihead": ("block", dict(attnres_depth_heads=4)),
+    "window": ("full", dict(attnres_window=3)),
+}
+EXACT_ABLATIONS = [name for name in ABLATIONS if name != "window"]
+
+
+def ablation_model(name: str, family: str = "llama", **settings) -> attnres.AttnResForCausalLM:
+    mode, options = ABLATIONS[name]
+    model = scratch_model(family, mode, **options, **settings).eval()
+    randomize_rule_parameters(model)
+    return model
+
+
+@pytest.mark.parametrize("family", family_params(FAMILIES))
+@pytest.mark.parametrize("ablation", list(ABLATIONS))
+def test_ablations_mix_alike_in_the_reference_and_in_two_phases(ablation, family):
+    """In float64, the direct computation and the two-phase one give the same logits and depth weights."""
+    model = ablation_model(ablation, family).double()
+    ids = random_ids()
+    outputs = {}
+    with torch.no_grad():
+        for implementation in ("naive", "two_phase"):
+            model.config.attnres_implementation = implementation
+            outputs[implementation] = model(ids, output_depth_weights=True)
+    torch.testing.assert_close(outputs["two_phase"].logits, outputs["naive"].logits, rtol=0, atol=1e-10)
+    for fast, direct in zip(outputs["two_phase"].depth_weights, outputs["naive"].depth_weights, strict=True):
+        torch.testing.assert_close(fast, direct, rtol=0, atol=1e-12)
+    assert [weights.shape[-1] for weights in outputs["naive"].depth_weights] == model.config.num_sources()
+
+
+@pytest.mark.parametrize("ablation", list(ABLATIONS))
+def test_ablations_reload_and_generate_with_and_without_the_cache(ablation, tmp_path):
+    ids = random_ids(batch=1, length=6)
+    for family in FAMILIES:
+        model = ablation_model(ablation, family)
+        model.save_pretrained(tmp_path / family)
+        reloaded = attnres.AttnResForCausalLM.from_pretrained(tmp_path / family).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+            cached = model.generate(ids, max_new_tokens=8, do_sample=False)
+            uncached = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False)
+        assert torch.equal(cached, uncached), family
+
+
+@pytest.mark.slow
+def test_ablations_run_as_remote_code(tmp_path):
+    ids = random_ids(batch=1, length=6)
+    expected = {}
+    for ablation in ABLATIONS:
+        model = ablation_model(ablation)
+        model.save_pretrained(tmp_path / ablation)
+        with torch.no_grad():
+            expected[ablation] = model.generate(ids, max_new_tokens=8, do_sample=False)
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    folders = [str(tmp_path / ablation) for ablation in ABLATIONS]
+    command = [sys.executable, "-c", REMOTE_CODE_SCRIPT, str(tmp_path / "ids.pt"), *folders]
+    subprocess.run(command, check=True, env=env, cwd=tmp_path, timeout=300)
+    for ablation, tokens in expected.items():
+        assert torch.equal(torch.load(tmp_path / ablation / "remote.pt"), tokens), ablation
+
+
+@pytest.mark.parametrize("ablation", list(ABLATIONS))
+def test_ablations_keep_gradient_checkpointing_and_bf16_autocast(ablation):
+    """Gradient checkpointing gives the gradients of the plain backward pass; under bf16 autocast the depth weights
+    stay fp32 and the loss stays within bf16's noise of fp32's."""
+    model = ablation_model(ablation).train()
+    ids = random_ids()
+
+    def loss_and_gradients() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    loss, gradients = loss_and_gradients()
+    model.activation_checkpointing_enable()
+    checkpointed_loss, checkpointed = loss_and_gradients()
+    assert checkpointed_loss == loss and checkpointed.keys() == gradients.keys()
+    for name, gradient in gradients.items():
+        torch.testing.assert_close(checkpointed[name], gradient, rtol=0, atol=1e-6)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        output = model(ids, labels=ids, output_depth_weights=True)
+    assert all(weights.dtype == torch.float32 for weights in output.depth_weights)
+    assert abs(output.loss.item() - loss.item()) < 0.05 * loss.item()
+
+
+@pytest.mark.slow  # torch.compile: 10 to 30 s a case
+@pytest.mark.parametrize("ablation", list(ABLATIONS))
+def test_ablations_compile_whole(ablation):
+    """`torch.compile(fullgraph=True)` of a training step gives eager's logits and gradients."""
+    torch._dynamo.reset()
+    model, ids = ablation_model(ablation).train(), random_ids()
+    results = []
+    for forward in (model, torch.compile(model, fullgraph=True)):
+        model.zero_grad()
+        output = forward(ids, labels=ids)
+        output.loss.backward()
+        results.append((output.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (eager_logits, eager_gradients), (compiled_logits, compiled_gradients) = results
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=0, atol=1e-5)
+    for name, gradient in eager_gradients.items():
+        torch.testing.assert_close(compiled_gradients[name], gradient, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("ablation", list(ABLATIONS))
+def test_ablations_train_from_scratch(ablation, text_batches):
+    """30 AdamW steps lower the held-out loss by at least 1 nat (of ~4.6), as for the rules."""
+    mode, options = ABLATIONS[ablation]
+    before, after = held_out_losses_around_training(scratch_model("llama", mode, **options), text_batches)
+    print(f"{ablation}: held-out loss {before:.3f} -> {after:.3f}")
+    assert after < before - 1.0
+
+
+@pytest.mark.parametrize("family", family_params(FAMILIES))
+@pytest.mark.parametrize("ablation", EXACT_ABLATIONS)
+def test_ablations_convert_to_what_the_source_computes(ablation, family):
+    source = tiny_source_model(family)
+    ids = random_ids()
+    mode, options = ABLATIONS[ablation]
+    with torch.no_grad():
+        expected = source(ids).logits
+        converted = convert_to_attnres(source, mode=mode, options=options)
+        logits = converted(ids).logits
+    assert converted.config.depth_layout() == {"attnres_mode": mode, **options} | (
+        {"attnres_block_size": converted.config.attnres_block_size} if mode == "block" else {}
+    )
+    assert (logits - expected).abs().max().item() <= 1e-5  # as Block and Full AttnRes
+
+
+def test_a_window_is_refused_for_conversion_in_one_line():
+    with pytest.raises(
+        ConversionError, match=r"^attnres_window=3 cannot start as the source computes: .*older"
+    ) as error:
+        convert_to_attnres(tiny_source_model("llama"), mode="full", options=dict(attnres_window=3))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "mode, options, message",
+    [
+        ("block", dict(attnres_window=8), r"attnres_window: 8 is an option of attnres_mode='full', not of .*'block'"),
+        ("prenorm", dict(attnres_score="sigmoid"), r"attnres_score: 'sigmoid' is an option of .*: drop it"),
+        ("full", dict(attnres_depth_heads=5), r"does not divide hidden_size=64 .*pick a divisor"),
+        ("full", dict(attnres_depth_heads=0), r"attnres_depth_heads: got 0, expected a positive integer"),
+        ("full", dict(attnres_query="dynamic"), r"attnres_query: got 'dynamic', expected one of"),
+        ("full", dict(attnres_query="scalars", attnres_depth_heads=4), r"no query or key to split"),
+        ("full", dict(attnres_window=0), r"attnres_window: got 0, expected a positive integer"),
+    ],
+)
+def test_nonsensical_ablation_settings_are_refused(mode, options, message):
+    with pytest.raises(AttnResConfigError, match=message):
+        attnres.AttnResConfig(
+            text_config=tiny_source_config("llama", num_layers=4).to_dict(), attnres_mode=mode, **options
+        )
+
+
+def test_a_config_edited_away_from_its_ablations_is_refused(tmp_path):
+    ablation_model("sigmoid").save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["attnres_saved_layout"] == {"attnres_mode": "full", "attnres_score": "sigmoid"}
+    (tmp_path / "config.json").write_text(json.dumps(saved | {"attnres_score": "softmax"}))
+    with pytest.raises(
+        AttnResConfigError, match="says attnres_score='softmax', but the weights saved with it were made"
+    ):
+        attnres.AttnResForCausalLM.from_pretrained(tmp_path)
+
+
+def test_the_command_line_converts_and_trains_the_ablations(tmp_path):
+    """`attnres convert` takes the options (and refuses a window in one line); `attnres train --convert
+    --from-scratch` trains a window."""
+    source = tmp_path / "source"
+    tiny_source_model("llama", num_layers=2).save_pretrained(source)
+    tiny_tokenizer().save_pretrained(source)
+    code, _, stderr = run_cli("convert", source, tmp_path / "heads", "--depth-heads", 4, "--score", "sigmoid")
+    assert code == 0, stderr
+    saved = json.loads((tmp_path / "heads" / "config.json").read_text())["attnres_saved_layout"]
+    assert saved["attnres_depth_heads"] == 4 and saved["attnres_score"] == "sigmoid"
+    code, _, stderr = run_cli("convert", source, tmp_path / "window", "--mode", "full", "--window", 2)
+    assert code != 0 and "attnres_window=2 cannot start as the source computes" in stderr
+    assert not (tmp_path / "window").exists()
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
+    dataset = tmp_path / "text.jsonl"
+    dataset.write_text("".join(json.dumps({"text": part}) + "\n" for part in text.split("\n\n") if part.strip()))
+    command = ["train", "--output-dir", tmp_path / "run", "--model", source, "--dataset", dataset, "--convert"]
+    options = ["--mode", "full", "--window", 2, "--from-scratch", "--query", "projected"]
+    run = ["--seq-len", 32, "--batch-size", 4, "--max-steps", 2, "--eval-size", 0.1, "--log-every", 1]
+    code, _, stderr = run_cli(*command, *options, *run)
+    assert code == 0, stderr
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["attnres_saved_layout"]
+    assert saved == {"attnres_mode": "full", "attnres_query": "projected", "attnres_window": 2}

@@ -41,14 +41,24 @@ def load_model(config: TrainingConfig) -> PreTrainedModel:
     if source_config.model_type == "attnres":
         raise TrainingError(f"{path} is already an AttnRes model; drop --convert")
     if config.from_scratch:
-        attnres_config = attnres_config_for(source_config, config.mode, config.block_size, exact_start=False)
+        attnres_config = attnres_config_for(
+            source_config, config.mode, config.block_size, exact_start=False, options=config.rule_options()
+        )
         return AttnResForCausalLM(attnres_config).float()
     if is_deepspeed_zero3_enabled():  # set by the Accelerator: from_pretrained now partitions what it loads
         raise TrainingError(
             "--convert cannot read the source's weights once DeepSpeed ZeRO-3 has partitioned them: convert first "
             "(attnres convert SOURCE DIR), then train DIR without --convert"
         )
-    return convert_to_attnres(path, config.mode, config.block_size, torch.float32, gguf_file, config.trust_remote_code)
+    return convert_to_attnres(
+        path,
+        config.mode,
+        config.block_size,
+        torch.float32,
+        gguf_file,
+        config.trust_remote_code,
+        options=config.rule_options(),
+    )
 
 
 def make_trainable(model: PreTrainedModel, config: TrainingConfig) -> nn.Module:
