@@ -72,15 +72,21 @@ def fp32_region(like: torch.Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def fp32_or_wider(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or `dtype` where it is wider (float64 models stay float64 throughout). Compared in Python:
+    `torch.promote_types` is an operator call, which a decode step pays for at every use."""
+    return dtype if dtype == torch.float64 else torch.float32
+
+
 def upcast(values: torch.Tensor) -> torch.Tensor:
-    """fp32, or the values' own dtype where it is wider (float64 models stay float64 throughout)."""
-    wide = torch.promote_types(values.dtype, torch.float32)
+    """The values in `fp32_or_wider` their dtype."""
+    wide = fp32_or_wider(values.dtype)
     return values if values.dtype == wide else values.to(wide)
 
 
 def inverse_rms(values: torch.Tensor, eps: float) -> torch.Tensor:
     """[..., d] -> [...] fp32 (or wider), from one norm reduction that reads the values in their own dtype."""
-    norm = torch.linalg.vector_norm(values, dim=-1, dtype=torch.promote_types(values.dtype, torch.float32))
+    norm = torch.linalg.vector_norm(values, dim=-1, dtype=fp32_or_wider(values.dtype))
     return torch.rsqrt(norm.square() / values.shape[-1] + eps)
 
 
@@ -149,17 +155,17 @@ def completed_logits(blocks: Blocks, completed_inv_rms: torch.Tensor, queries: t
     return logits * completed_inv_rms.unsqueeze(-1)
 
 
-def read_completed(weights: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """The completed blocks weighted by `weights` [B,T,n] and summed. -> [B,T,d] in the blocks' dtype"""
-    if isinstance(blocks, torch.Tensor):  # stacked [B,T,n,d]
-        return (weights[..., None, :].to(blocks.dtype) @ blocks).squeeze(-2)
-    mixed = sum(weights[..., i, None] * upcast(block) for i, block in enumerate(blocks))
-    return mixed.to(blocks[0].dtype)
+def read_sources(weights: torch.Tensor, sources: Blocks) -> torch.Tensor:
+    """The sources weighted by `weights` [B,T,S] and summed. -> [B,T,d] in the sources' dtype"""
+    if isinstance(sources, torch.Tensor):  # stacked [B,T,S,d]
+        return (weights[..., None, :].to(sources.dtype) @ sources).squeeze(-2)
+    mixed = sum(weights[..., i, None] * upcast(source) for i, source in enumerate(sources))
+    return mixed.to(sources[0].dtype)
 
 
 def merge_partial_sum(
     block_logits: torch.Tensor,
-    blocks: Blocks,
+    blocks: tuple[torch.Tensor, ...],
     partial_sum: torch.Tensor | None,
     query: torch.Tensor,
     eps: float,
@@ -168,21 +174,19 @@ def merge_partial_sum(
     """Phase 2: the partial sum [B,T,d] joins the softmax over the completed blocks' logits [B,T,n].
 
     One softmax over n + 1 logits equals the paper's online-softmax merge of the two groups; the mixture is then one
-    weighted read of the completed blocks plus the partial sum. -> mixed input [B,T,d], depth weights [B,T,S]
+    weighted read of all sources, the partial sum stacked with the completed blocks (eager: one product, where a
+    separate term for the partial sum would cost a decode step more operations than the stack).
+    -> mixed input [B,T,d], depth weights [B,T,S]
     """
-    logits = block_logits
+    logits, sources = block_logits, blocks
     if partial_sum is not None:
         partial_logit = (upcast(partial_sum) @ query) * inverse_rms(partial_sum, eps)  # [B,T]
         logits = torch.cat([block_logits, partial_logit.unsqueeze(-1)], dim=-1)
+        sources = blocks + (partial_sum,)
     weights = logits.softmax(-1)  # [B,T,S]
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
     value_weights = weights * weights.shape[-1] if scale_by_num_sources else weights
-    num_completed = block_logits.shape[-1]
-    mixed = read_completed(value_weights[..., :num_completed], blocks)  # [B,T,d]
-    if partial_sum is not None:
-        partial_weight = value_weights[..., num_completed:].to(partial_sum.dtype)  # [B,T,1]
-        mixed = torch.addcmul(mixed, partial_weight, partial_sum)
-    return mixed, weights
+    return read_sources(value_weights, stacked_unless_compiled(sources)), weights
 
 
 def depth_mix_two_phase(
@@ -198,10 +202,12 @@ def depth_mix_two_phase(
     layer; without it, phase 1 runs here. -> mixed input [B,T,d], depth weights [B,T,S]"""
     query = folded_query(pseudo_query, key_gain)  # [d]
     with fp32_region(depth.completed_inv_rms):
-        blocks = stacked_unless_compiled(depth.completed_blocks)
         if block_logits is None:
+            blocks = stacked_unless_compiled(depth.completed_blocks)
             block_logits = completed_logits(blocks, depth.completed_inv_rms, query[None])[..., 0]
-        return merge_partial_sum(block_logits, blocks, depth.partial_sum, query, eps, scale_by_num_sources)
+        return merge_partial_sum(
+            block_logits, depth.completed_blocks, depth.partial_sum, query, eps, scale_by_num_sources
+        )
 
 
 def recomputed(function: Callable[..., tuple | torch.Tensor], *inputs: torch.Tensor | None) -> tuple | torch.Tensor:
