@@ -158,15 +158,21 @@ def fp32_region(like: torch.Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def fp32_or_wider(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or `dtype` where it is wider (float64 models stay float64 throughout). Compared in Python:
+    `torch.promote_types` is an operator call, which a decode step pays for at every use."""
+    return dtype if dtype == torch.float64 else torch.float32
+
+
 def upcast(values: torch.Tensor) -> torch.Tensor:
-    """fp32, or the values' own dtype where it is wider (float64 models stay float64 throughout)."""
-    wide = torch.promote_types(values.dtype, torch.float32)
+    """The values in `fp32_or_wider` their dtype."""
+    wide = fp32_or_wider(values.dtype)
     return values if values.dtype == wide else values.to(wide)
 
 
 def inverse_rms(values: torch.Tensor, eps: float) -> torch.Tensor:
     """[..., d] -> [...] fp32 (or wider), from one norm reduction that reads the values in their own dtype."""
-    norm = torch.linalg.vector_norm(values, dim=-1, dtype=torch.promote_types(values.dtype, torch.float32))
+    norm = torch.linalg.vector_norm(values, dim=-1, dtype=fp32_or_wider(values.dtype))
     return torch.rsqrt(norm.square() / values.shape[-1] + eps)
 
 
@@ -274,20 +280,22 @@ def completed_logits(blocks: Blocks, completed_inv_rms: torch.Tensor | None, que
     return logits if completed_inv_rms is None else logits * completed_inv_rms.unsqueeze(-1)
 
 
-def read_completed(weights: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """The completed blocks weighted by `weights` [B,T,n,H] (each channel group by its own) and summed. -> [B,T,d] in
-    the blocks' dtype"""
+def read_sources(weights: torch.Tensor, sources: Blocks) -> torch.Tensor:
+    """The sources weighted by `weights` [B,T,S,H] (each channel group by its own) and summed. -> [B,T,d] in the
+    sources' dtype"""
     heads = weights.shape[-1]
-    if isinstance(blocks, torch.Tensor):  # stacked [B,T,n,d]
-        grouped = blocks.unflatten(-1, (heads, -1)).transpose(-3, -2)  # [B,T,H,n,d/H]
-        return (weights.mT.unsqueeze(-2).to(blocks.dtype) @ grouped).flatten(-3)
-    mixed = sum(weights[..., i, :, None] * upcast(block).unflatten(-1, (heads, -1)) for i, block in enumerate(blocks))
-    return mixed.flatten(-2).to(blocks[0].dtype)
+    if isinstance(sources, torch.Tensor):  # stacked [B,T,S,d]
+        grouped = sources.unflatten(-1, (heads, -1)).transpose(-3, -2)  # [B,T,H,S,d/H]
+        return (weights.mT.unsqueeze(-2).to(sources.dtype) @ grouped).flatten(-3)
+    mixed = sum(
+        weights[..., i, :, None] * upcast(source).unflatten(-1, (heads, -1)) for i, source in enumerate(sources)
+    )
+    return mixed.flatten(-2).to(sources[0].dtype)
 
 
 def merge_partial_sum(
     logits: torch.Tensor,
-    blocks: Blocks,
+    blocks: tuple[torch.Tensor, ...],
     partial_sum: torch.Tensor | None,
     score: str,
     scale_by_num_sources: bool,
@@ -295,21 +303,16 @@ def merge_partial_sum(
     """Phase 2: the weights over all sources, from their logits [B,T,S,H] (the partial sum's last), then one weighted
     read of the completed blocks plus the partial sum [B,T,d].
 
-    One softmax over n + 1 logits equals the paper's online-softmax merge of the two groups.
-    -> mixed input [B,T,d], depth weights [B,T,S] (the mean over channel groups)
+    One softmax over n + 1 logits equals the paper's online-softmax merge of the two groups. The partial sum is
+    read stacked with the completed blocks (eager: one product, where a separate term for it would cost a decode step
+    more operations than the stack). -> mixed input [B,T,d], depth weights [B,T,S] (the mean over channel groups)
     """
     weigh, exact_start_scale = SCORES[score]
     weights = weigh(logits)  # [B,T,S,H]
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
     value_weights = weights * exact_start_scale(weights.shape[-2]) if scale_by_num_sources else weights
-    num_completed = len(blocks) if isinstance(blocks, tuple) else blocks.shape[-2]
-    mixed = read_completed(value_weights[..., :num_completed, :], blocks)  # [B,T,d]
-    if partial_sum is not None:
-        heads = weights.shape[-1]
-        partial_weight = value_weights[..., num_completed, :, None].to(partial_sum.dtype)  # [B,T,H,1]
-        grouped = mixed.unflatten(-1, (heads, -1)), partial_sum.unflatten(-1, (heads, -1))  # [B,T,H,d/H] each
-        mixed = torch.addcmul(grouped[0], partial_weight, grouped[1]).flatten(-2)
-    return mixed, weights.mean(-1)
+    sources = blocks + (() if partial_sum is None else (partial_sum,))
+    return read_sources(value_weights, stacked_unless_compiled(sources)), weights.mean(-1)
 
 
 def depth_mix_two_phase(
@@ -323,7 +326,6 @@ def depth_mix_two_phase(
     state keeps. `block_logits` [B,T,n,H]: this query's phase 1, where `score_completed_blocks` ran it for the whole
     layer; without it, phase 1 runs here. -> mixed input [B,T,d], depth weights [B,T,S]"""
     with fp32_region(depth.completed_inv_rms):
-        blocks = stacked_unless_compiled(depth.completed_blocks)
         if options.query == "scalars":  # no keys: the logits are the parameters
             num_sources = len(depth.sources())
             logits = (
@@ -332,13 +334,15 @@ def depth_mix_two_phase(
         else:
             queries = folded_queries(sublayer_query(depth, learned, options.eps), learned.key_gain, options.heads)
             inv_rms = depth.completed_inv_rms if options.key_norm else None
-            logits = completed_logits(blocks, inv_rms, queries) if block_logits is None else block_logits
+            logits = block_logits
+            if logits is None:
+                logits = completed_logits(stacked_unless_compiled(depth.completed_blocks), inv_rms, queries)
             if depth.partial_sum is not None:
                 partial_inv_rms = (
                     inverse_rms(depth.partial_sum, options.eps).unsqueeze(-1) if options.key_norm else None
                 )
                 logits = torch.cat([logits, completed_logits((depth.partial_sum,), partial_inv_rms, queries)], dim=-2)
-        return merge_partial_sum(logits, blocks, depth.partial_sum, options.score, scale_by_num_sources)
+        return merge_partial_sum(logits, depth.completed_blocks, depth.partial_sum, options.score, scale_by_num_sources)
 
 
 def recomputed(function: Callable[..., tuple | torch.Tensor], *inputs: torch.Tensor | None) -> tuple | torch.Tensor:

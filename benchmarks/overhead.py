@@ -30,10 +30,12 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnres
 from attnres.conversion import DTYPES, attnres_config_for, convert_to_attnres
+from attnres.modeling_attnres import CACHE_NAME
 from attnres.sources import default_model_path, load_source
 
 
@@ -176,6 +178,28 @@ def decode(model: torch.nn.Module, prompt: torch.Tensor, world: str) -> Callable
     return lambda: model.generate(prompt, **settings)
 
 
+class OperationCounter(TorchDispatchMode):
+    """Counts the aten operations run inside it: what an eager decode step pays per operation, whatever its size."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_operations(model: torch.nn.Module, prompt: torch.Tensor) -> int:
+    """aten operations of one eager greedy decode step (one token, on the KV cache of `prompt`)."""
+    with torch.no_grad():
+        prefill = model(prompt, use_cache=True)
+        next_token = prefill.logits[:, -1:].argmax(-1)
+        with OperationCounter() as counter:
+            model(next_token, use_cache=True, **{CACHE_NAME: getattr(prefill, CACHE_NAME)})
+    return counter.count
+
+
 def benchmark_row(name: str, mode: str, world: str, args: argparse.Namespace) -> dict:
     dtype, device = DTYPES[args.dtype], args.device
     source, twin = build_pair(name, mode, dtype, device)
@@ -204,6 +228,7 @@ def benchmark_row(name: str, mode: str, world: str, args: argparse.Namespace) ->
     )
     for key in ("source_s", "attnres_s"):
         row["decode_per_token"][key] /= 64
+    row["decode_operations"] = {"source": decode_operations(source, prompt), "attnres": decode_operations(twin, prompt)}
 
     memory = {
         which: training_peak_memory(name, mode, which, args.dtype, device, world) for which in ("source", "attnres")
@@ -379,9 +404,10 @@ def environment(args: argparse.Namespace) -> dict:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| model | mode | blocks of | world | prefill | training step | decode / token | train peak memory (process) "
+        "| model | mode | blocks of | world | prefill | training step | decode / token "
+        "| decode ops / token (source / AttnRes) | train peak memory (process) "
         "| train step memory (above weights + optimizer) | compile s (source / AttnRes: prefill, train, decode) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         memory = row["train_peak_memory"]
@@ -395,6 +421,7 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {row['model']} | {row['mode']} | {layout} | {row['world']} | {row['prefill']['ratio']:.3f} "
             f"| {row['train_step']['ratio']:.3f} | {row['decode_per_token']['ratio']:.3f} "
+            f"| {row['decode_operations']['source']} / {row['decode_operations']['attnres']} "
             f"| {memory['ratio']:.3f} | {memory['step_ratio']:.3f} | {compile_times} |"
         )
     return "\n".join(lines)
