@@ -10,7 +10,7 @@ without torch. This file is copied next to the weights as remote code: it import
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import transformers
 from packaging.version import Version
@@ -85,6 +85,14 @@ class Family:
     # Gemma2: sdpa cannot softcap the attention logits. Its own models declare so from transformers 5.21 on; on 5.20
     # they ran sdpa without the softcapping, which a saved model must not do there either.
     supports_sdpa: bool = True
+    # Hybrids: the attribute of the token mixer by layer type (`layer_types`), where it is not `self_attn`. The mixers
+    # of the recurrent layer types (RECURRENT_LAYER_TYPES) take the cache and a 2D padding mask and return their output
+    # alone; attention takes RoPE and returns (output, weights).
+    token_mixers: dict[str, str] = field(default_factory=dict)
+    mlp: str = "mlp"  # LFM2: feed_forward
+    final_norm: str = "norm"  # LFM2: embedding_norm
+    norm_eps_key: str = "rms_norm_eps"  # LFM2: norm_eps
+    rotary_embedding: bool = True  # Kimi Linear: its attention layers have no RoPE
 
 
 # Sandwich-norm layers: input and output norms around both sublayers (Gemma2, Gemma3)
@@ -99,6 +107,15 @@ OUTPUT_NORMS_ONLY = dict(
     attention_output_norm="post_attention_layernorm",
     mlp_input_norm=None,
     mlp_output_norm="post_feedforward_layernorm",
+)
+# LFM2's names: `conv` layers, the operator and feed-forward norms, and a final norm named for the embedding
+LFM2_LAYOUT = dict(
+    attention_input_norm="operator_norm",
+    mlp_input_norm="ffn_norm",
+    token_mixers={"conv": "conv"},
+    mlp="feed_forward",
+    final_norm="embedding_norm",
+    norm_eps_key="norm_eps",
 )
 
 # The source families whose decoder layers AttnRes rewires, by the `model_type` of their text config: the one
@@ -132,8 +149,18 @@ FAMILIES = {
     "exaone4": Family("exaone4", "Exaone4", **OUTPUT_NORMS_ONLY),
     "gpt_oss": Family("gpt_oss", "GptOss", num_experts_key="num_local_experts", mlp_returns_tuple=True),  # eager: sinks
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3"),  # MLA, dense first layers then routed + shared experts
+    # Hybrids: gated DeltaNet / short-convolution / Kimi Delta Attention layers between attention layers
+    "qwen3_next": Family(
+        "qwen3_next", "Qwen3Next", num_experts_key="num_experts", token_mixers={"linear_attention": "linear_attn"}
+    ),
+    "lfm2": Family("lfm2", "Lfm2", **LFM2_LAYOUT),
+    "lfm2_moe": Family("lfm2_moe", "Lfm2Moe", **LFM2_LAYOUT),
+    "kimi_linear": Family("kimi_linear", "KimiLinear", rotary_embedding=False),  # MLA without RoPE
 }
 SUPPORTED_FAMILIES = tuple(FAMILIES)
+# Layer types (`layer_types`) whose token mixer is recurrent (linear attention, short convolution, state space): it
+# keeps its state in the cache and reads a 2D padding mask
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
 
 # Architectures that cannot convert exactly, refused by name (`model_type`) with what they have and why. AttnRes needs
 # two sequential sublayers per layer, each reading the residual stream (through its own input norm, or raw) and adding
@@ -154,9 +181,7 @@ ENCODER = "an encoder or encoder-decoder: AttnRes wraps causal decoders (and con
 REFUSED_FAMILIES = {
     **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"), POST_NORM),
     **dict.fromkeys(("cohere", "cohere2", "gptj", "codegen", "phi"), PARALLEL),
-    **dict.fromkeys(
-        ("qwen3_next", "lfm2", "lfm2_moe", "falcon_h1", "kimi_linear", "jamba", "granitemoehybrid"), HYBRID
-    ),
+    **dict.fromkeys(("falcon_h1", "jamba", "bamba", "granitemoehybrid", "nemotron_h", "olmo_hybrid"), HYBRID),
     **dict.fromkeys(("mamba", "mamba2"), "a state-space model without attention sublayers"),
     **dict.fromkeys(("t5", "bart", "mbart", "whisper"), ENCODER),
 }
@@ -339,7 +364,7 @@ class AttnResConfig(PreTrainedConfig):
                 "streams of at least 2 (one stream is the plain residual stream: attnres_mode='prenorm')."
             )
         if self.attnres_eps is None:
-            self.attnres_eps = self.text_config.rms_norm_eps
+            self.attnres_eps = getattr(self.text_config, FAMILIES[self.text_config.model_type].norm_eps_key)
         if not self.attnres_eps > 0:
             raise AttnResConfigError(f"attnres_eps: got {self.attnres_eps!r}, expected a positive float.")
         self._check_saved_layout()

@@ -26,13 +26,17 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .configuration_attnres import FAMILIES, AttnResConfig, Family, require_transformers
+from .configuration_attnres import FAMILIES, RECURRENT_LAYER_TYPES, AttnResConfig, Family, require_transformers
 from .depth_mixing import (
     DEPTH_RULES,
     AttnResKeyNorm,
@@ -171,6 +175,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.config = config
         self.layer_idx = layer_idx
         self.family = family_of(config)
+        self.layer_type = attention_layer_types(config.text_config)[layer_idx]
+        self.token_mixer = self.family.token_mixers.get(self.layer_type, "self_attn")
         # Adopt the source layer's children so parameter names stay the checkpoint's (self_attn.q_proj, mlp, norms).
         source_layer = family_class(self.family, "DecoderLayer")(config.text_config, layer_idx)
         for name, child in source_layer.named_children():
@@ -195,6 +201,25 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     def _norm(self, name: str | None, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states if name is None else getattr(self, name)(hidden_states)
 
+    def _mix_tokens(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """The token mixer's output [B,T,d]: attention's, or a hybrid's recurrent mixer's (which takes no RoPE)."""
+        token_mixer = getattr(self, self.token_mixer)
+        if self.layer_type in RECURRENT_LAYER_TYPES:
+            return token_mixer(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
+        output, _ = token_mixer(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        return output
+
     def _sublayer_output(self, sublayer: int, output: torch.Tensor) -> torch.Tensor:
         """What sublayer `sublayer` (0: attention, 1: MLP) adds to the stream: its output after the family's output
         norm, residual dropout and residual multiplier, in the source's order."""
@@ -217,7 +242,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple[torch.Tensor, ...]:
         """-> (partial_sum, attention depth weights, MLP depth weights, completed_inv_rms, *completed_blocks)
 
-        The KV cache is in `kwargs` under `CACHE_NAME`, passed on to the attention as the installed version names it.
+        The cache (KV, or a hybrid's recurrent state) is in `kwargs` under `CACHE_NAME`, passed on to the token mixer as
+        the installed version names it.
         """
         family, flags, rule = self.family, depth_mix_flags(self.config), self.rule
         depth = DepthState(completed_blocks, completed_inv_rms, partial_sum)
@@ -235,19 +261,14 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         attention_input, attention_depth_weights = rule.read(
             depth, attention_head, attention_norm, attention_scores, flags
         )
-        attention_output, _ = self.self_attn(
-            hidden_states=attention_input,
-            attention_mask=attention_mask,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
+        attention_output = self._mix_tokens(attention_input, attention_mask, position_embeddings, **kwargs)
         depth = rule.write(depth, self._sublayer_output(0, attention_output), attention_head, attention_norm)
 
         # In Full mode the MLP still reads the attention output as its partial sum, which closes after it
         mlp_input, mlp_depth_weights = rule.read(depth, mlp_head, mlp_norm, mlp_scores, flags)
         if self.mlp_starts_block:
             depth = depth.close_block(self.config.attnres_eps)
-        mlp_output = self.mlp(mlp_input)
+        mlp_output = getattr(self, family.mlp)(mlp_input)
         if family.mlp_returns_tuple:
             mlp_output = mlp_output[0]
         depth = rule.write(depth, self._sublayer_output(1, mlp_output), mlp_head, mlp_norm)
@@ -371,8 +392,12 @@ class AttnResModel(AttnResPreTrainedModel):
             output_index = 2 * text_config.num_hidden_layers
             for part, module in self.rule.heads(config, config.num_sources()[-1], output_index).items():
                 self.add_module(f"output_attn_res_{part}", module)
-        self.norm = family_class(family, "RMSNorm")(hidden_size, eps=text_config.rms_norm_eps)
-        self.rotary_emb = family_class(family, "RotaryEmbedding")(config=text_config)
+        # The final norm under the source's name (`norm`; LFM2: `embedding_norm`)
+        final_norm = family_class(family, "RMSNorm")(hidden_size, eps=getattr(text_config, family.norm_eps_key))
+        self.add_module(family.final_norm, final_norm)
+        self.rotary_emb = (
+            family_class(family, "RotaryEmbedding")(config=text_config) if family.rotary_embedding else None
+        )
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -392,7 +417,11 @@ class AttnResModel(AttnResPreTrainedModel):
             CACHE_NAME: cache,
             "position_ids": position_ids,
         }
-        builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        builders = {
+            "full_attention": create_causal_mask,
+            "sliding_attention": create_sliding_window_causal_mask,
+            **dict.fromkeys(RECURRENT_LAYER_TYPES, create_recurrent_attention_mask),
+        }
         return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in set(layer_types)}
 
     @accepts_past_key_values
@@ -425,7 +454,9 @@ class AttnResModel(AttnResPreTrainedModel):
 
         layer_types = attention_layer_types(text_config)
         attention_masks = self._attention_masks(attention_mask, inputs_embeds, cache, position_ids, layer_types)
-        if family.rope_per_layer_type:
+        if not family.rotary_embedding:
+            position_embeddings = dict.fromkeys(layer_types)
+        elif family.rope_per_layer_type:
             position_embeddings = {t: self.rotary_emb(inputs_embeds, position_ids, t) for t in set(layer_types)}
         else:
             shared = self.rotary_emb(inputs_embeds, position_ids)
@@ -451,8 +482,9 @@ class AttnResModel(AttnResPreTrainedModel):
 
         depth = DepthState(tuple(completed_blocks), completed_inv_rms, partial_sum)
         output_head = tuple(getattr(self, f"output_attn_res_{part}") for part in self.rule.output_parts)
+        final_norm = getattr(self, family.final_norm)
         hidden_states, output_depth_weight = self.rule.finish(
-            depth, output_head, self.norm, depth_mix_flags(self.config)
+            depth, output_head, final_norm, depth_mix_flags(self.config)
         )
         return AttnResModelOutputWithPast(
             last_hidden_state=hidden_states,

@@ -27,6 +27,15 @@ COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+# Multi-head latent attention (DeepSeek-V3, Kimi Linear)
+TINY_MLA = dict(
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    num_key_value_heads=4,  # MLA keys have one head per query head
+)
 # Each supported family's settings beside COMMON (tests/test_architecture.py checks that none is missing)
 FAMILY_OVERRIDES = {
     "llama": dict(tie_word_embeddings=True),
@@ -89,13 +98,8 @@ FAMILY_OVERRIDES = {
         moe_intermediate_size=32,
         first_k_dense_replace=1,
         n_shared_experts=1,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
         head_dim=8,
-        num_key_value_heads=4,  # MLA keys have one head per query head
+        **TINY_MLA,
     ),
     "gemma2": dict(
         sliding_window=6,
@@ -112,8 +116,38 @@ FAMILY_OVERRIDES = {
         final_logit_softcapping=30.0,
         tie_word_embeddings=True,
     ),
+    # Hybrids: recurrent layers (gated DeltaNet, short convolution, Kimi Delta Attention) alternate with attention
+    # layers, set below; an MoE every second layer (Qwen3-Next), after a dense first layer (LFM2-MoE, Kimi Linear)
+    "qwen3_next": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        decoder_sparse_step=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
+    "lfm2": dict(),
+    "lfm2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1),
+    "kimi_linear": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        linear_attn_config=dict(num_heads=4, head_dim=16, short_conv_kernel_size=4),
+        **TINY_MLA,
+    ),
 }
 ALTERNATING_LAYER_TYPES = ("gemma2", "gemma3_text", "ministral")
+# The hybrids' recurrent layer type, which alternates with full attention from layer 0 on
+HYBRID_LAYER_TYPES = {
+    "qwen3_next": "linear_attention",
+    "lfm2": "conv",
+    "lfm2_moe": "conv",
+    "kimi_linear": "linear_attention",
+}
 # `attnres train` options for a tiny model on a tiny corpus: a few seconds per run on one CPU core
 TINY_RUN = dict(
     seq_len=32,
@@ -139,6 +173,9 @@ def tiny_source_config(family: str, num_layers: int = 5, **overrides):
     kwargs = {**COMMON, **FAMILY_OVERRIDES[family], "num_hidden_layers": num_layers, **overrides}
     if family in ALTERNATING_LAYER_TYPES:  # alternate sliding and full attention layers
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if family in HYBRID_LAYER_TYPES:
+        recurrent = HYBRID_LAYER_TYPES[family]
+        kwargs["layer_types"] = [recurrent if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     return AutoConfig.for_model(family, **kwargs)
 
 
