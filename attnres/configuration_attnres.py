@@ -89,10 +89,17 @@ class Family:
     # of the recurrent layer types (RECURRENT_LAYER_TYPES) take the cache and a 2D padding mask and return their output
     # alone; attention takes RoPE and returns (output, weights).
     token_mixers: dict[str, str] = field(default_factory=dict)
-    mlp: str = "mlp"  # LFM2: feed_forward
+    # The decoder layer class by layer type, where a family has one per type (Jamba: "AttentionDecoderLayer", ...)
+    decoder_layers: dict[str, str] = field(default_factory=dict)
+    layer_type_argument: bool = False  # Bamba: the decoder layer takes its type as `layer_type`
+    # The MLP sublayer: the sum of these modules' outputs, those the layer has (GraniteMoeHybrid: routed experts plus
+    # a shared MLP, the experts absent where the config has none)
+    mlp: tuple[str, ...] = ("mlp",)
     final_norm: str = "norm"  # LFM2: embedding_norm
     norm_eps_key: str = "rms_norm_eps"  # LFM2: norm_eps
-    rotary_embedding: bool = True  # Kimi Linear: its attention layers have no RoPE
+    rotary_embedding: bool = True  # Kimi Linear, Jamba: their attention layers have no RoPE
+    # GraniteMoeHybrid: RoPE only where this config field has this value (Granite 4.0 checkpoints have none)
+    rope_switch: tuple[str, str] | None = None
 
 
 # Sandwich-norm layers: input and output norms around both sublayers (Gemma2, Gemma3)
@@ -113,9 +120,16 @@ LFM2_LAYOUT = dict(
     attention_input_norm="operator_norm",
     mlp_input_norm="ffn_norm",
     token_mixers={"conv": "conv"},
-    mlp="feed_forward",
+    mlp=("feed_forward",),
     final_norm="embedding_norm",
     norm_eps_key="norm_eps",
+)
+# Bamba's and Jamba's names: `mamba` layers, a pre-feed-forward norm and a final layer norm
+MAMBA_LAYOUT = dict(
+    mlp_input_norm="pre_ff_layernorm",
+    token_mixers={"linear_attention": "mamba"},
+    mlp=("feed_forward",),
+    final_norm="final_layernorm",
 )
 
 # The source families whose decoder layers AttnRes rewires, by the `model_type` of their text config: the one
@@ -156,6 +170,28 @@ FAMILIES = {
     "lfm2": Family("lfm2", "Lfm2", **LFM2_LAYOUT),
     "lfm2_moe": Family("lfm2_moe", "Lfm2Moe", **LFM2_LAYOUT),
     "kimi_linear": Family("kimi_linear", "KimiLinear", rotary_embedding=False),  # MLA without RoPE
+    # Mamba-2 layers between attention layers
+    "bamba": Family("bamba", "Bamba", **MAMBA_LAYOUT, layer_type_argument=True),
+    "granitemoehybrid": Family(
+        "granitemoehybrid",
+        "GraniteMoeHybrid",
+        num_experts_key="num_local_experts",
+        token_mixers={"linear_attention": "mamba"},
+        mlp=("block_sparse_moe", "shared_mlp"),
+        embedding_multiplier_key="embedding_multiplier",
+        residual_multiplier_key="residual_multiplier",
+        logits_divisor_key="logits_scaling",
+        rope_switch=("position_embedding_type", "rope"),
+    ),
+    # Mamba layers between attention layers without RoPE, a layer class per type, MoE every other layer
+    "jamba": Family(
+        "jamba",
+        "Jamba",
+        **MAMBA_LAYOUT,
+        num_experts_key="num_experts",
+        decoder_layers={"full_attention": "AttentionDecoderLayer", "linear_attention": "MambaDecoderLayer"},
+        rotary_embedding=False,
+    ),
 }
 SUPPORTED_FAMILIES = tuple(FAMILIES)
 # Layer types (`layer_types`) whose token mixer is recurrent (linear attention, short convolution, state space): it
@@ -181,7 +217,7 @@ ENCODER = "an encoder or encoder-decoder: AttnRes wraps causal decoders (and con
 REFUSED_FAMILIES = {
     **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"), POST_NORM),
     **dict.fromkeys(("cohere", "cohere2", "gptj", "codegen", "phi"), PARALLEL),
-    **dict.fromkeys(("falcon_h1", "jamba", "bamba", "granitemoehybrid", "nemotron_h", "olmo_hybrid"), HYBRID),
+    **dict.fromkeys(("falcon_h1", "nemotron_h", "olmo_hybrid"), HYBRID),
     **dict.fromkeys(("mamba", "mamba2"), "a state-space model without attention sublayers"),
     **dict.fromkeys(("t5", "bart", "mbart", "whisper"), ENCODER),
 }

@@ -16,6 +16,7 @@ only torch, transformers and those two.
 
 import importlib
 import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -145,6 +146,23 @@ def attention_layer_types(text_config) -> list[str]:
     return [kind] * text_config.num_hidden_layers
 
 
+def uses_rope(family: Family, text_config) -> bool:
+    """Whether the source's attention layers rotate their queries and keys."""
+    if family.rope_switch is None:
+        return family.rotary_embedding
+    key, value = family.rope_switch
+    return getattr(text_config, key) == value
+
+
+def sum_outputs(outputs: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The outputs added in order, as the source adds them (GraniteMoeHybrid: experts, then the shared MLP)."""
+    outputs = iter(outputs)
+    total = next(outputs)
+    for output in outputs:
+        total = total + output
+    return total
+
+
 def depth_mix_flags(config: AttnResConfig) -> dict[str, bool]:
     """The settings of `depth_attention`, read from the config at every forward: setting them on a loaded model's
     config takes effect, as `use_cache` does."""
@@ -178,9 +196,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.layer_type = attention_layer_types(config.text_config)[layer_idx]
         self.token_mixer = self.family.token_mixers.get(self.layer_type, "self_attn")
         # Adopt the source layer's children so parameter names stay the checkpoint's (self_attn.q_proj, mlp, norms).
-        source_layer = family_class(self.family, "DecoderLayer")(config.text_config, layer_idx)
+        source_layer_class = family_class(self.family, self.family.decoder_layers.get(self.layer_type, "DecoderLayer"))
+        type_argument = {"layer_type": self.layer_type} if self.family.layer_type_argument else {}
+        source_layer = source_layer_class(config.text_config, layer_idx, **type_argument)
         for name, child in source_layer.named_children():
             self.add_module(name, child)
+        self.mlp_parts = [name for name in self.family.mlp if name in self._modules]
         # What the depth-mixing rule learns for each sublayer: `self_attention_res_<part>` and `mlp_res_<part>`
         self.rule = DEPTH_RULES[config.attnres_mode]
         sources = config.num_sources()
@@ -268,7 +289,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         mlp_input, mlp_depth_weights = rule.read(depth, mlp_head, mlp_norm, mlp_scores, flags)
         if self.mlp_starts_block:
             depth = depth.close_block(self.config.attnres_eps)
-        mlp_output = getattr(self, family.mlp)(mlp_input)
+        mlp_output = sum_outputs(getattr(self, name)(mlp_input) for name in self.mlp_parts)
         if family.mlp_returns_tuple:
             mlp_output = mlp_output[0]
         depth = rule.write(depth, self._sublayer_output(1, mlp_output), mlp_head, mlp_norm)
@@ -396,7 +417,7 @@ class AttnResModel(AttnResPreTrainedModel):
         final_norm = family_class(family, "RMSNorm")(hidden_size, eps=getattr(text_config, family.norm_eps_key))
         self.add_module(family.final_norm, final_norm)
         self.rotary_emb = (
-            family_class(family, "RotaryEmbedding")(config=text_config) if family.rotary_embedding else None
+            family_class(family, "RotaryEmbedding")(config=text_config) if uses_rope(family, text_config) else None
         )
         self.gradient_checkpointing = False
         self.post_init()
@@ -454,7 +475,7 @@ class AttnResModel(AttnResPreTrainedModel):
 
         layer_types = attention_layer_types(text_config)
         attention_masks = self._attention_masks(attention_mask, inputs_embeds, cache, position_ids, layer_types)
-        if not family.rotary_embedding:
+        if self.rotary_emb is None:
             position_embeddings = dict.fromkeys(layer_types)
         elif family.rope_per_layer_type:
             position_embeddings = {t: self.rotary_emb(inputs_embeds, position_ids, t) for t in set(layer_types)}

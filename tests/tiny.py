@@ -36,6 +36,11 @@ TINY_MLA = dict(
     v_head_dim=16,
     num_key_value_heads=4,  # MLA keys have one head per query head
 )
+# Granite's embedding, residual, attention and logits multipliers (Granite, GraniteMoeHybrid)
+GRANITE_SCALARS = dict(
+    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.05, logits_scaling=8.0
+)
+TINY_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
 # Each supported family's settings beside COMMON (tests/test_architecture.py checks that none is missing)
 FAMILY_OVERRIDES = {
     "llama": dict(tie_word_embeddings=True),
@@ -63,10 +68,7 @@ FAMILY_OVERRIDES = {
     # Half the head dimension rotated; residual dropout, which only training sees
     "phi3": dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5), resid_pdrop=0.1),
     "granite": dict(
-        embedding_multiplier=12.0,
-        residual_multiplier=0.22,
-        attention_multiplier=0.05,
-        logits_scaling=8.0,
+        **GRANITE_SCALARS,
         tie_word_embeddings=True,
     ),
     "glm4": dict(),  # rotates half the head dimension by default
@@ -139,6 +141,23 @@ FAMILY_OVERRIDES = {
         linear_attn_config=dict(num_heads=4, head_dim=16, short_conv_kernel_size=4),
         **TINY_MLA,
     ),
+    # Mamba-2 layers (Bamba, GraniteMoeHybrid) and Mamba layers (Jamba) at the even indices, attention at the odd
+    "bamba": dict(attn_layer_indices=[1, 3, 5, 7, 9], **TINY_MAMBA2),
+    "granitemoehybrid": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        **GRANITE_SCALARS,
+        position_embedding_type="rope",
+        **TINY_MAMBA2,
+    ),
+    "jamba": dict(
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=16,
+    ),
 }
 ALTERNATING_LAYER_TYPES = ("gemma2", "gemma3_text", "ministral")
 # The hybrids' recurrent layer type, which alternates with full attention from layer 0 on
@@ -147,6 +166,7 @@ HYBRID_LAYER_TYPES = {
     "lfm2": "conv",
     "lfm2_moe": "conv",
     "kimi_linear": "linear_attention",
+    "granitemoehybrid": "linear_attention",
 }
 # `attnres train` options for a tiny model on a tiny corpus: a few seconds per run on one CPU core
 TINY_RUN = dict(
