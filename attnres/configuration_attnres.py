@@ -209,15 +209,27 @@ PARALLEL = (
     "parallel attention and MLP: both read the same input and their outputs join one residual add, so a layer has no "
     "second sublayer input for a depth mixture to form"
 )
-HYBRID = (
-    "a hybrid decoder with linear-attention or state-space layers and their own recurrent caches; its conversion is "
-    "not yet verified to be exact with cached generation, so it is refused rather than half supported"
+ONE_SUBLAYER = (
+    "a hybrid decoder whose layers each hold one sublayer (Mamba-2, attention, MLP or MoE, by the layer's type); "
+    "AttnRes's depth layout pairs a token mixer with an MLP in every decoder layer"
+)
+PARALLEL_MIXERS = (
+    "a hybrid decoder whose layers run Mamba-2 and attention in parallel on one normed input, joined in one residual "
+    "add, with muP multipliers inside the mixers; that sum is one sublayer and could convert, but it is not yet built "
+    "and verified, so it is refused rather than half supported"
+)
+MIXED_NORMS = (
+    "a hybrid decoder whose attention layers normalise only their outputs (as OLMo-2) while its gated-DeltaNet layers "
+    "normalise their inputs; that could convert, but it is not yet built and verified, so it is refused rather than "
+    "half supported"
 )
 ENCODER = "an encoder or encoder-decoder: AttnRes wraps causal decoders (and converts their text model)"
 REFUSED_FAMILIES = {
     **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"), POST_NORM),
     **dict.fromkeys(("cohere", "cohere2", "gptj", "codegen", "phi"), PARALLEL),
-    **dict.fromkeys(("falcon_h1", "nemotron_h", "olmo_hybrid"), HYBRID),
+    "nemotron_h": ONE_SUBLAYER,
+    "falcon_h1": PARALLEL_MIXERS,
+    "olmo_hybrid": MIXED_NORMS,
     **dict.fromkeys(("mamba", "mamba2"), "a state-space model without attention sublayers"),
     **dict.fromkeys(("t5", "bart", "mbart", "whisper"), ENCODER),
 }

@@ -85,6 +85,7 @@ MODEL_HOOKS = (
     "_supports_flex_attn",
     "_supports_attention_backend",
     "_can_compile_fullgraph",
+    "_is_stateful",
     "_can_record_outputs",
     "_tied_weights_keys",
     "_tp_plan",
@@ -350,6 +351,14 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def __init__(self, config: AttnResConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
         share_backends(config)  # the source family's modules read their own (text) config
+
+    @property
+    def _is_stateful(self) -> bool:
+        # As the source family's model says: a hybrid's recurrent states cannot step back to an earlier token, so
+        # `generate` refuses assisted decoding, which would need that
+        family_model_cls = family_class(family_of(self.config), "PreTrainedModel")
+        require_transformers(hasattr(family_model_cls, "_is_stateful"), "PreTrainedModel._is_stateful")
+        return family_model_cls._is_stateful
 
     def _sdpa_can_dispatch(self, is_init_check: bool = False) -> bool:
         # The source family's attention decides: Gemma2's softcapping and GPT-OSS's sinks have no sdpa path, so those
