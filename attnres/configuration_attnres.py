@@ -100,6 +100,9 @@ class Family:
     rotary_embedding: bool = True  # Kimi Linear, Jamba: their attention layers have no RoPE
     # GraniteMoeHybrid: RoPE only where this config field has this value (Granite 4.0 checkpoints have none)
     rope_switch: tuple[str, str] | None = None
+    # The oldest transformers whose modules of the family these files can call: the hybrids' recurrent mixers take the
+    # cache as `cache` from 5.24 on (before, each named it its own way)
+    oldest_transformers: str = OLDEST_TRANSFORMERS
 
 
 # Sandwich-norm layers: input and output norms around both sublayers (Gemma2, Gemma3)
@@ -115,6 +118,7 @@ OUTPUT_NORMS_ONLY = dict(
     mlp_input_norm=None,
     mlp_output_norm="post_feedforward_layernorm",
 )
+HYBRIDS_TRANSFORMERS = "5.24.0"
 # LFM2's names: `conv` layers, the operator and feed-forward norms, and a final norm named for the embedding
 LFM2_LAYOUT = dict(
     attention_input_norm="operator_norm",
@@ -123,6 +127,7 @@ LFM2_LAYOUT = dict(
     mlp=("feed_forward",),
     final_norm="embedding_norm",
     norm_eps_key="norm_eps",
+    oldest_transformers=HYBRIDS_TRANSFORMERS,
 )
 # Bamba's and Jamba's names: `mamba` layers, a pre-feed-forward norm and a final layer norm
 MAMBA_LAYOUT = dict(
@@ -130,6 +135,7 @@ MAMBA_LAYOUT = dict(
     token_mixers={"linear_attention": "mamba"},
     mlp=("feed_forward",),
     final_norm="final_layernorm",
+    oldest_transformers=HYBRIDS_TRANSFORMERS,
 )
 
 # The source families whose decoder layers AttnRes rewires, by the `model_type` of their text config: the one
@@ -165,11 +171,17 @@ FAMILIES = {
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3"),  # MLA, dense first layers then routed + shared experts
     # Hybrids: gated DeltaNet / short-convolution / Kimi Delta Attention layers between attention layers
     "qwen3_next": Family(
-        "qwen3_next", "Qwen3Next", num_experts_key="num_experts", token_mixers={"linear_attention": "linear_attn"}
+        "qwen3_next",
+        "Qwen3Next",
+        num_experts_key="num_experts",
+        token_mixers={"linear_attention": "linear_attn"},
+        oldest_transformers=HYBRIDS_TRANSFORMERS,
     ),
     "lfm2": Family("lfm2", "Lfm2", **LFM2_LAYOUT),
     "lfm2_moe": Family("lfm2_moe", "Lfm2Moe", **LFM2_LAYOUT),
-    "kimi_linear": Family("kimi_linear", "KimiLinear", rotary_embedding=False),  # MLA without RoPE
+    "kimi_linear": Family(  # MLA without RoPE
+        "kimi_linear", "KimiLinear", rotary_embedding=False, oldest_transformers=HYBRIDS_TRANSFORMERS
+    ),
     # Mamba-2 layers between attention layers
     "bamba": Family("bamba", "Bamba", **MAMBA_LAYOUT, layer_type_argument=True),
     "granitemoehybrid": Family(
@@ -182,6 +194,7 @@ FAMILIES = {
         residual_multiplier_key="residual_multiplier",
         logits_divisor_key="logits_scaling",
         rope_switch=("position_embedding_type", "rope"),
+        oldest_transformers=HYBRIDS_TRANSFORMERS,
     ),
     # Mamba layers between attention layers without RoPE, a layer class per type, MoE every other layer
     "jamba": Family(
@@ -312,6 +325,12 @@ def _check_family(text_config: PreTrainedConfig) -> None:
         raise AttnResConfigError(
             f"text_config: unsupported family '{model_type}': no row of AttnRes's family table says how its decoder "
             f"layer runs, so its conversion could not be shown exact. Supported families: {supported}."
+        )
+    oldest = FAMILIES[model_type].oldest_transformers
+    if Version(transformers.__version__) < Version(oldest):
+        raise AttnResConfigError(
+            f"text_config: '{model_type}' needs transformers>={oldest} (the call of its recurrent layers), found "
+            f'{transformers.__version__}: pip install -U "transformers>={oldest}"'
         )
 
 

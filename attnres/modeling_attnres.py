@@ -102,6 +102,12 @@ def declares_support(model_class: type[PreTrainedModel], backend: str) -> bool:
     return getattr(model_class, hook)
 
 
+def is_stateful(model_class: type[PreTrainedModel]) -> bool:
+    """Whether a transformers model class keeps recurrent states that cannot step back to an earlier token."""
+    require_transformers(hasattr(model_class, "_is_stateful"), "PreTrainedModel._is_stateful")
+    return model_class._is_stateful
+
+
 def share_backends(config: AttnResConfig) -> None:
     """Hand the attention and experts backends that transformers chose for the model to the source config, which the
     source family's modules read: transformers writes its choice past the setter that would hand it on."""
@@ -202,7 +208,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         source_layer = source_layer_class(config.text_config, layer_idx, **type_argument)
         for name, child in source_layer.named_children():
             self.add_module(name, child)
-        self.mlp_parts = [name for name in self.family.mlp if name in self._modules]
+        self.mlp_parts = [name for name in self.family.mlp if getattr(source_layer, name, None) is not None]
         # What the depth-mixing rule learns for each sublayer: `self_attention_res_<part>` and `mlp_res_<part>`
         self.rule = DEPTH_RULES[config.attnres_mode]
         sources = config.num_sources()
@@ -233,6 +239,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         """The token mixer's output [B,T,d]: attention's, or a hybrid's recurrent mixer's (which takes no RoPE)."""
         token_mixer = getattr(self, self.token_mixer)
         if self.layer_type in RECURRENT_LAYER_TYPES:
+            kwargs.pop("position_ids", None)  # as the sources call them: transformers 5.20's reject positions
             return token_mixer(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
         output, _ = token_mixer(
             hidden_states=hidden_states,
@@ -356,9 +363,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def _is_stateful(self) -> bool:
         # As the source family's model says: a hybrid's recurrent states cannot step back to an earlier token, so
         # `generate` refuses assisted decoding, which would need that
-        family_model_cls = family_class(family_of(self.config), "PreTrainedModel")
-        require_transformers(hasattr(family_model_cls, "_is_stateful"), "PreTrainedModel._is_stateful")
-        return family_model_cls._is_stateful
+        return is_stateful(family_class(family_of(self.config), "PreTrainedModel"))
 
     def _sdpa_can_dispatch(self, is_init_check: bool = False) -> bool:
         # The source family's attention decides: Gemma2's softcapping and GPT-OSS's sinks have no sdpa path, so those
