@@ -5,16 +5,11 @@ cache compiles; the model is stateful where the source's is, so that `generate` 
 import pytest
 import torch
 from test_families import perturbed_source
-from tiny import attnres_twin, family_params, random_ids, tiny_source_config, tiny_source_model
+from tiny import attnres_twin, family_params, hybrid_families, random_ids, tiny_source_config, tiny_source_model
 
-from attnres.configuration_attnres import RECURRENT_LAYER_TYPES, SUPPORTED_FAMILIES
+from attnres.configuration_attnres import RECURRENT_LAYER_TYPES
 
-# The supported families whose tiny models have recurrent token mixers
-HYBRIDS = [
-    family
-    for family in SUPPORTED_FAMILIES
-    if set(getattr(tiny_source_config(family), "layer_types", None) or ()) & set(RECURRENT_LAYER_TYPES)
-]
+HYBRIDS = hybrid_families()
 GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
 
 

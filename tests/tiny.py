@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, PreTrai
 
 import attnres
 from attnres.auto import is_attnres_parameter
+from attnres.configuration_attnres import RECURRENT_LAYER_TYPES
 from attnres_cli.command import main
 
 VOCAB = 96
@@ -182,6 +183,15 @@ TINY_RUN = dict(
     eval_every=100,
     save_every=100,
 )
+
+
+def hybrid_families() -> list[str]:
+    """The supported families whose tiny models have recurrent token mixers."""
+    return [
+        family
+        for family in attnres.SUPPORTED_FAMILIES
+        if set(getattr(tiny_source_config(family), "layer_types", None) or ()) & set(RECURRENT_LAYER_TYPES)
+    ]
 
 
 def random_ids(batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
