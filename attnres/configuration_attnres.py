@@ -10,7 +10,7 @@ without torch. This file is copied next to the weights as remote code: it import
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import transformers
 from packaging.version import Version
@@ -85,6 +85,24 @@ class Family:
     # Gemma2: sdpa cannot softcap the attention logits. Its own models declare so from transformers 5.21 on; on 5.20
     # they ran sdpa without the softcapping, which a saved model must not do there either.
     supports_sdpa: bool = True
+    # Hybrids: the attribute of the token mixer by layer type (`layer_types`), where it is not `self_attn`. The mixers
+    # of the recurrent layer types (RECURRENT_LAYER_TYPES) take the cache and a 2D padding mask and return their output
+    # alone; attention takes RoPE and returns (output, weights).
+    token_mixers: dict[str, str] = field(default_factory=dict)
+    # The decoder layer class by layer type, where a family has one per type (Jamba: "AttentionDecoderLayer", ...)
+    decoder_layers: dict[str, str] = field(default_factory=dict)
+    layer_type_argument: bool = False  # Bamba: the decoder layer takes its type as `layer_type`
+    # The MLP sublayer: the sum of these modules' outputs, those the layer has (GraniteMoeHybrid: routed experts plus
+    # a shared MLP, the experts absent where the config has none)
+    mlp: tuple[str, ...] = ("mlp",)
+    final_norm: str = "norm"  # LFM2: embedding_norm
+    norm_eps_key: str = "rms_norm_eps"  # LFM2: norm_eps
+    rotary_embedding: bool = True  # Kimi Linear, Jamba: their attention layers have no RoPE
+    # GraniteMoeHybrid: RoPE only where this config field has this value (Granite 4.0 checkpoints have none)
+    rope_switch: tuple[str, str] | None = None
+    # The oldest transformers whose modules of the family these files can call: the hybrids' recurrent mixers take the
+    # cache as `cache` from 5.24 on (before, each named it its own way)
+    oldest_transformers: str = OLDEST_TRANSFORMERS
 
 
 # Sandwich-norm layers: input and output norms around both sublayers (Gemma2, Gemma3)
@@ -99,6 +117,25 @@ OUTPUT_NORMS_ONLY = dict(
     attention_output_norm="post_attention_layernorm",
     mlp_input_norm=None,
     mlp_output_norm="post_feedforward_layernorm",
+)
+HYBRIDS_TRANSFORMERS = "5.24.0"
+# LFM2's names: `conv` layers, the operator and feed-forward norms, and a final norm named for the embedding
+LFM2_LAYOUT = dict(
+    attention_input_norm="operator_norm",
+    mlp_input_norm="ffn_norm",
+    token_mixers={"conv": "conv"},
+    mlp=("feed_forward",),
+    final_norm="embedding_norm",
+    norm_eps_key="norm_eps",
+    oldest_transformers=HYBRIDS_TRANSFORMERS,
+)
+# Bamba's and Jamba's names: `mamba` layers, a pre-feed-forward norm and a final layer norm
+MAMBA_LAYOUT = dict(
+    mlp_input_norm="pre_ff_layernorm",
+    token_mixers={"linear_attention": "mamba"},
+    mlp=("feed_forward",),
+    final_norm="final_layernorm",
+    oldest_transformers=HYBRIDS_TRANSFORMERS,
 )
 
 # The source families whose decoder layers AttnRes rewires, by the `model_type` of their text config: the one
@@ -132,8 +169,47 @@ FAMILIES = {
     "exaone4": Family("exaone4", "Exaone4", **OUTPUT_NORMS_ONLY),
     "gpt_oss": Family("gpt_oss", "GptOss", num_experts_key="num_local_experts", mlp_returns_tuple=True),  # eager: sinks
     "deepseek_v3": Family("deepseek_v3", "DeepseekV3"),  # MLA, dense first layers then routed + shared experts
+    # Hybrids: gated DeltaNet / short-convolution / Kimi Delta Attention layers between attention layers
+    "qwen3_next": Family(
+        "qwen3_next",
+        "Qwen3Next",
+        num_experts_key="num_experts",
+        token_mixers={"linear_attention": "linear_attn"},
+        oldest_transformers=HYBRIDS_TRANSFORMERS,
+    ),
+    "lfm2": Family("lfm2", "Lfm2", **LFM2_LAYOUT),
+    "lfm2_moe": Family("lfm2_moe", "Lfm2Moe", **LFM2_LAYOUT),
+    "kimi_linear": Family(  # MLA without RoPE
+        "kimi_linear", "KimiLinear", rotary_embedding=False, oldest_transformers=HYBRIDS_TRANSFORMERS
+    ),
+    # Mamba-2 layers between attention layers
+    "bamba": Family("bamba", "Bamba", **MAMBA_LAYOUT, layer_type_argument=True),
+    "granitemoehybrid": Family(
+        "granitemoehybrid",
+        "GraniteMoeHybrid",
+        num_experts_key="num_local_experts",
+        token_mixers={"linear_attention": "mamba"},
+        mlp=("block_sparse_moe", "shared_mlp"),
+        embedding_multiplier_key="embedding_multiplier",
+        residual_multiplier_key="residual_multiplier",
+        logits_divisor_key="logits_scaling",
+        rope_switch=("position_embedding_type", "rope"),
+        oldest_transformers=HYBRIDS_TRANSFORMERS,
+    ),
+    # Mamba layers between attention layers without RoPE, a layer class per type, MoE every other layer
+    "jamba": Family(
+        "jamba",
+        "Jamba",
+        **MAMBA_LAYOUT,
+        num_experts_key="num_experts",
+        decoder_layers={"full_attention": "AttentionDecoderLayer", "linear_attention": "MambaDecoderLayer"},
+        rotary_embedding=False,
+    ),
 }
 SUPPORTED_FAMILIES = tuple(FAMILIES)
+# Layer types (`layer_types`) whose token mixer is recurrent (linear attention, short convolution, state space): it
+# keeps its state in the cache and reads a 2D padding mask
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
 
 # Architectures that cannot convert exactly, refused by name (`model_type`) with what they have and why. AttnRes needs
 # two sequential sublayers per layer, each reading the residual stream (through its own input norm, or raw) and adding
@@ -146,17 +222,27 @@ PARALLEL = (
     "parallel attention and MLP: both read the same input and their outputs join one residual add, so a layer has no "
     "second sublayer input for a depth mixture to form"
 )
-HYBRID = (
-    "a hybrid decoder with linear-attention or state-space layers and their own recurrent caches; its conversion is "
-    "not yet verified to be exact with cached generation, so it is refused rather than half supported"
+ONE_SUBLAYER = (
+    "a hybrid decoder whose layers each hold one sublayer (Mamba-2, attention, MLP or MoE, by the layer's type); "
+    "AttnRes's depth layout pairs a token mixer with an MLP in every decoder layer"
+)
+PARALLEL_MIXERS = (
+    "a hybrid decoder whose layers run Mamba-2 and attention in parallel on one normed input, joined in one residual "
+    "add, with muP multipliers inside the mixers; that sum is one sublayer and could convert, but it is not yet built "
+    "and verified, so it is refused rather than half supported"
+)
+MIXED_NORMS = (
+    "a hybrid decoder whose attention layers normalise only their outputs (as OLMo-2) while its gated-DeltaNet layers "
+    "normalise their inputs; that could convert, but it is not yet built and verified, so it is refused rather than "
+    "half supported"
 )
 ENCODER = "an encoder or encoder-decoder: AttnRes wraps causal decoders (and converts their text model)"
 REFUSED_FAMILIES = {
     **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"), POST_NORM),
     **dict.fromkeys(("cohere", "cohere2", "gptj", "codegen", "phi"), PARALLEL),
-    **dict.fromkeys(
-        ("qwen3_next", "lfm2", "lfm2_moe", "falcon_h1", "kimi_linear", "jamba", "granitemoehybrid"), HYBRID
-    ),
+    "nemotron_h": ONE_SUBLAYER,
+    "falcon_h1": PARALLEL_MIXERS,
+    "olmo_hybrid": MIXED_NORMS,
     **dict.fromkeys(("mamba", "mamba2"), "a state-space model without attention sublayers"),
     **dict.fromkeys(("t5", "bart", "mbart", "whisper"), ENCODER),
 }
@@ -264,6 +350,12 @@ def _check_family(text_config: PreTrainedConfig) -> None:
         raise AttnResConfigError(
             f"text_config: unsupported family '{model_type}': no row of AttnRes's family table says how its decoder "
             f"layer runs, so its conversion could not be shown exact. Supported families: {supported}."
+        )
+    oldest = FAMILIES[model_type].oldest_transformers
+    if Version(transformers.__version__) < Version(oldest):
+        raise AttnResConfigError(
+            f"text_config: '{model_type}' needs transformers>={oldest} (the call of its recurrent layers), found "
+            f'{transformers.__version__}: pip install -U "transformers>={oldest}"'
         )
 
 
@@ -387,7 +479,7 @@ class AttnResConfig(PreTrainedConfig):
             )
         self._check_options()
         if self.attnres_eps is None:
-            self.attnres_eps = self.text_config.rms_norm_eps
+            self.attnres_eps = getattr(self.text_config, FAMILIES[self.text_config.model_type].norm_eps_key)
         if not self.attnres_eps > 0:
             raise AttnResConfigError(f"attnres_eps: got {self.attnres_eps!r}, expected a positive float.")
         self._check_saved_layout()

@@ -16,6 +16,7 @@ only torch, transformers and those two.
 
 import importlib
 import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -26,13 +27,17 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .configuration_attnres import FAMILIES, AttnResConfig, Family, require_transformers
+from .configuration_attnres import FAMILIES, RECURRENT_LAYER_TYPES, AttnResConfig, Family, require_transformers
 from .depth_mixing import (
     DEPTH_RULES,
     AttnResKeyNorm,
@@ -82,6 +87,7 @@ MODEL_HOOKS = (
     "_supports_flex_attn",
     "_supports_attention_backend",
     "_can_compile_fullgraph",
+    "_is_stateful",
     "_can_record_outputs",
     "_tied_weights_keys",
     "_tp_plan",
@@ -96,6 +102,12 @@ def declares_support(model_class: type[PreTrainedModel], backend: str) -> bool:
     hook = f"_supports_{backend}"
     require_transformers(hasattr(model_class, hook), f"PreTrainedModel.{hook}")
     return getattr(model_class, hook)
+
+
+def is_stateful(model_class: type[PreTrainedModel]) -> bool:
+    """Whether a transformers model class keeps recurrent states that cannot step back to an earlier token."""
+    require_transformers(hasattr(model_class, "_is_stateful"), "PreTrainedModel._is_stateful")
+    return model_class._is_stateful
 
 
 def share_backends(config: AttnResConfig) -> None:
@@ -143,6 +155,23 @@ def attention_layer_types(text_config) -> list[str]:
     return [kind] * text_config.num_hidden_layers
 
 
+def uses_rope(family: Family, text_config) -> bool:
+    """Whether the source's attention layers rotate their queries and keys."""
+    if family.rope_switch is None:
+        return family.rotary_embedding
+    key, value = family.rope_switch
+    return getattr(text_config, key) == value
+
+
+def sum_outputs(outputs: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The outputs added in order, as the source adds them (GraniteMoeHybrid: experts, then the shared MLP)."""
+    outputs = iter(outputs)
+    total = next(outputs)
+    for output in outputs:
+        total = total + output
+    return total
+
+
 def depth_mix_flags(config: AttnResConfig) -> dict[str, bool]:
     """The settings of `depth_attention`, read from the config at every forward: setting them on a loaded model's
     config takes effect, as `use_cache` does."""
@@ -173,10 +202,15 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.config = config
         self.layer_idx = layer_idx
         self.family = family_of(config)
+        self.layer_type = attention_layer_types(config.text_config)[layer_idx]
+        self.token_mixer = self.family.token_mixers.get(self.layer_type, "self_attn")
         # Adopt the source layer's children so parameter names stay the checkpoint's (self_attn.q_proj, mlp, norms).
-        source_layer = family_class(self.family, "DecoderLayer")(config.text_config, layer_idx)
+        source_layer_class = family_class(self.family, self.family.decoder_layers.get(self.layer_type, "DecoderLayer"))
+        type_argument = {"layer_type": self.layer_type} if self.family.layer_type_argument else {}
+        source_layer = source_layer_class(config.text_config, layer_idx, **type_argument)
         for name, child in source_layer.named_children():
             self.add_module(name, child)
+        self.mlp_parts = [name for name in self.family.mlp if getattr(source_layer, name, None) is not None]
         # What the depth-mixing rule learns for each sublayer: `self_attention_res_<part>` and `mlp_res_<part>`
         self.rule = DEPTH_RULES[config.attnres_mode].configured(config)
         sources = config.num_sources()
@@ -196,6 +230,26 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
 
     def _norm(self, name: str | None, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states if name is None else getattr(self, name)(hidden_states)
+
+    def _mix_tokens(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """The token mixer's output [B,T,d]: attention's, or a hybrid's recurrent mixer's (which takes no RoPE)."""
+        token_mixer = getattr(self, self.token_mixer)
+        if self.layer_type in RECURRENT_LAYER_TYPES:
+            kwargs.pop("position_ids", None)  # as the sources call them: transformers 5.20's reject positions
+            return token_mixer(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
+        output, _ = token_mixer(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        return output
 
     def _sublayer_output(self, sublayer: int, output: torch.Tensor) -> torch.Tensor:
         """What sublayer `sublayer` (0: attention, 1: MLP) adds to the stream: its output after the family's output
@@ -219,7 +273,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple[torch.Tensor, ...]:
         """-> (partial_sum, attention depth weights, MLP depth weights, completed_inv_rms, *completed_blocks)
 
-        The KV cache is in `kwargs` under `CACHE_NAME`, passed on to the attention as the installed version names it.
+        The cache (KV, or a hybrid's recurrent state) is in `kwargs` under `CACHE_NAME`, passed on to the token mixer as
+        the installed version names it.
         """
         family, flags, rule = self.family, depth_mix_flags(self.config), self.rule
         depth = DepthState(completed_blocks, completed_inv_rms, partial_sum)
@@ -237,19 +292,14 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         attention_input, attention_depth_weights = rule.read(
             depth, attention_head, attention_norm, attention_scores, flags
         )
-        attention_output, _ = self.self_attn(
-            hidden_states=attention_input,
-            attention_mask=attention_mask,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
+        attention_output = self._mix_tokens(attention_input, attention_mask, position_embeddings, **kwargs)
         depth = rule.write(depth, self._sublayer_output(0, attention_output), attention_head, attention_norm)
 
         # In Full mode the MLP still reads the attention output as its partial sum, which closes after it
         mlp_input, mlp_depth_weights = rule.read(depth, mlp_head, mlp_norm, mlp_scores, flags)
         if self.mlp_starts_block:
             depth = depth.close_block(self.config.attnres_eps)
-        mlp_output = self.mlp(mlp_input)
+        mlp_output = sum_outputs(getattr(self, name)(mlp_input) for name in self.mlp_parts)
         if family.mlp_returns_tuple:
             mlp_output = mlp_output[0]
         depth = rule.write(depth, self._sublayer_output(1, mlp_output), mlp_head, mlp_norm)
@@ -310,6 +360,12 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def __init__(self, config: AttnResConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
         share_backends(config)  # the source family's modules read their own (text) config
+
+    @property
+    def _is_stateful(self) -> bool:
+        # As the source family's model says: a hybrid's recurrent states cannot step back to an earlier token, so
+        # `generate` refuses assisted decoding, which would need that
+        return is_stateful(family_class(family_of(self.config), "PreTrainedModel"))
 
     def _sdpa_can_dispatch(self, is_init_check: bool = False) -> bool:
         # The source family's attention decides: Gemma2's softcapping and GPT-OSS's sinks have no sdpa path, so those
@@ -373,8 +429,12 @@ class AttnResModel(AttnResPreTrainedModel):
             output_index = 2 * text_config.num_hidden_layers
             for part, module in self.rule.heads(config, config.num_sources()[-1], output_index).items():
                 self.add_module(f"output_attn_res_{part}", module)
-        self.norm = family_class(family, "RMSNorm")(hidden_size, eps=text_config.rms_norm_eps)
-        self.rotary_emb = family_class(family, "RotaryEmbedding")(config=text_config)
+        # The final norm under the source's name (`norm`; LFM2: `embedding_norm`)
+        final_norm = family_class(family, "RMSNorm")(hidden_size, eps=getattr(text_config, family.norm_eps_key))
+        self.add_module(family.final_norm, final_norm)
+        self.rotary_emb = (
+            family_class(family, "RotaryEmbedding")(config=text_config) if uses_rope(family, text_config) else None
+        )
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -394,14 +454,21 @@ class AttnResModel(AttnResPreTrainedModel):
             CACHE_NAME: cache,
             "position_ids": position_ids,
         }
-        builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        builders = {
+            "full_attention": create_causal_mask,
+            "sliding_attention": create_sliding_window_causal_mask,
+            **dict.fromkeys(RECURRENT_LAYER_TYPES, create_recurrent_attention_mask),
+        }
         return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in set(layer_types)}
 
     def position_embeddings_by_type(
         self, inputs_embeds: torch.Tensor, position_ids: torch.LongTensor, layer_types: list[str]
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """layer type -> the rotary (cos, sin) its layers use: one per type where the family's rope differs by type
-        (Gemma3, OLMo-3: sliding and full attention), else one shared."""
+        (Gemma3, OLMo-3: sliding and full attention), else one shared; None for all where the family has no rotary
+        embedding (Kimi Linear, Jamba)."""
+        if self.rotary_emb is None:
+            return dict.fromkeys(layer_types)
         if family_of(self.config).rope_per_layer_type:
             return {t: self.rotary_emb(inputs_embeds, position_ids, t) for t in set(layer_types)}
         shared = self.rotary_emb(inputs_embeds, position_ids)
@@ -459,8 +526,9 @@ class AttnResModel(AttnResPreTrainedModel):
 
         depth = DepthState(tuple(completed_blocks), completed_inv_rms, partial_sum)
         output_head = tuple(getattr(self, f"output_attn_res_{part}") for part in self.rule.output_parts)
+        final_norm = getattr(self, family.final_norm)
         hidden_states, output_depth_weight = self.rule.finish(
-            depth, output_head, self.norm, depth_mix_flags(self.config)
+            depth, output_head, final_norm, depth_mix_flags(self.config)
         )
         return AttnResModelOutputWithPast(
             last_hidden_state=hidden_states,

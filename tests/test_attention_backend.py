@@ -14,7 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 import attnres
-from attnres.configuration_attnres import SUPPORTED_FAMILIES
+from attnres.configuration_attnres import RECURRENT_LAYER_TYPES, SUPPORTED_FAMILIES
 from attnres.modeling_attnres import family_class, family_of
 
 
@@ -67,7 +67,9 @@ def test_every_layer_calls_the_registered_attention_with_the_call_kwargs(family)
         logits = model(ids, engine_metadata="from the model call").logits
 
     attention_modules = [module for module, _ in counting_attention.calls]
-    assert attention_modules == [layer.self_attn for layer in model.model.layers]  # each layer once, in order
+    # Each attention layer once, in order (hybrids: not their recurrent layers)
+    attention_layers = [layer for layer in model.model.layers if layer.layer_type not in RECURRENT_LAYER_TYPES]
+    assert attention_modules == [layer.self_attn for layer in attention_layers]
     assert all(kwargs["engine_metadata"] == "from the model call" for _, kwargs in counting_attention.calls)
     assert torch.equal(logits, expected), (logits - expected).abs().max().item()
 

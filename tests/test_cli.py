@@ -126,7 +126,7 @@ def test_the_rules_and_families_read_from_the_configuration_are_its_own():
     """`attnres_cli.options` reads them from the configuration's source (importing it loads torch)."""
     from attnres.configuration_attnres import RESIDUAL_RULES, SUPPORTED_FAMILIES
 
-    assert options.SUPPORTED_FAMILIES == SUPPORTED_FAMILIES and len(SUPPORTED_FAMILIES) == 19
+    assert options.SUPPORTED_FAMILIES == SUPPORTED_FAMILIES and len(SUPPORTED_FAMILIES) == 26
     assert options.MODES == tuple(RESIDUAL_RULES)
     assert {mode: label for mode, (label, *_) in options.RESIDUAL_RULES.items()} == {
         mode: rule.label for mode, rule in RESIDUAL_RULES.items()

@@ -15,14 +15,15 @@ norms, the depth projections and norms (K3's parameter names are ours), final no
 
 import pytest
 import torch
-from tiny import attnres_twin, random_ids, tiny_source_model
+from tiny import attnres_twin, family_params, random_ids, tiny_source_model
 
 NUM_LAYERS = 6
 # One layer per block, a size that divides the depth, one that does not (a partial last block), the whole depth
 BLOCK_SIZES = (1, 2, 4, NUM_LAYERS)
 # Llama: K3's layer layout (input norm, attention, post-attention norm, MLP). DeepSeek-V3: K3's kind of attention
-# (multi-head latent attention) and MLP (a dense first layer, then routed and shared experts).
-FAMILIES = ("llama", "deepseek_v3")
+# (multi-head latent attention) and MLP (a dense first layer, then routed and shared experts). Kimi Linear: K3's own
+# family, Kimi Delta Attention layers (recurrent) between MLA layers without RoPE.
+FAMILIES = ("llama", "deepseek_v3", "kimi_linear")
 # Both run in float64, so that float32 rounding (up to ~3e-5 on these logits, in either computation) cannot hide a
 # difference; what is left is the order of the sums (two-phase: folded queries, blocks scored once per layer), which
 # this allows for, relative to the largest logit. Measured: 0.0 for every case.
@@ -44,8 +45,11 @@ def k3_logits(model, input_ids, block_size):
     decoder, eps, num_sources = model.model, model.config.text_config.rms_norm_eps, []
     length = input_ids.shape[1]
     embeddings = decoder.embed_tokens(input_ids)
-    position_embeddings = decoder.rotary_emb(embeddings, torch.arange(length)[None])
     causal_mask = torch.full((length, length), float("-inf"), dtype=embeddings.dtype).triu(1)[None, None]
+    attention_kwargs = dict(attention_mask=causal_mask)
+    if decoder.rotary_emb is not None:  # Kimi Linear has no RoPE
+        attention_kwargs["position_embeddings"] = decoder.rotary_emb(embeddings, torch.arange(length)[None])
+    layer_types = getattr(model.config.text_config, "layer_types", None) or ["full_attention"] * len(decoder.layers)
 
     blocks, partial_sum = [], embeddings
     for layer_idx, layer in enumerate(decoder.layers):
@@ -59,11 +63,11 @@ def k3_logits(model, input_ids, block_size):
             num_sources.append(1)
         if layer_idx % block_size == 0:
             blocks, partial_sum = blocks + [partial_sum], None
-        attention_output, _ = layer.self_attn(
-            hidden_states=layer.input_layernorm(attention_input.to(embeddings.dtype)),
-            attention_mask=causal_mask,
-            position_embeddings=position_embeddings,
-        )
+        attention_input = layer.input_layernorm(attention_input.to(embeddings.dtype))
+        if layer_types[layer_idx] == "linear_attention":  # Kimi Delta Attention: no padding, no cache
+            attention_output = layer.self_attn(hidden_states=attention_input, attention_mask=None)
+        else:
+            attention_output, _ = layer.self_attn(hidden_states=attention_input, **attention_kwargs)
         partial_sum = attention_output if partial_sum is None else partial_sum + attention_output
         mlp_input = k3_depth_mix(
             blocks, partial_sum, layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, eps, num_sources
@@ -85,7 +89,7 @@ def k3_twin(family: str, block_size: int, **attnres_settings):
 
 @pytest.mark.parametrize("implementation", ["two_phase", "naive"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", family_params(FAMILIES, fast=("llama", "deepseek_v3")))  # KDA: ~20 s a case
 def test_block_attnres_equals_k3_loop(family, block_size, implementation):
     model = k3_twin(family, block_size, attnres_implementation=implementation)
     input_ids = random_ids(length=12)

@@ -11,7 +11,7 @@ from functools import partial
 
 import pytest
 import torch
-from tiny import VOCAB, attnres_twin, family_params, tiny_source_config, tiny_source_model
+from tiny import VOCAB, attnres_twin, family_params, hybrid_families, tiny_source_config, tiny_source_model
 from tiny import random_ids as tiny_random_ids
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
@@ -43,16 +43,19 @@ def test_zero_queries_reproduce_source_exactly(family):
 
 
 # Families whose sublayers start with a norm; OLMo-2/3 and EXAONE-4 have none, so only the rescale makes them exact.
-# DeepSeek-V3 is left out: its sigmoid top-k routing turns the epsilon's 1e-3 change into other experts for a few
-# tokens (argmax agreement 0.98, 1.0 with every layer dense); its conversion is exact with the rescale.
+# DeepSeek-V3 and LFM2-MoE are left out: their sigmoid top-k routing turns the epsilon's 1e-3 change into other
+# experts for a few tokens (argmax agreement 0.98 and 0.97, DeepSeek-V3 1.0 with every layer dense); their conversions
+# are exact with the rescale.
 INPUT_NORM_FAMILIES = [
     family
     for family in SUPPORTED_FAMILIES
-    if FAMILIES[family].attention_input_norm is not None and family != "deepseek_v3"
+    if FAMILIES[family].attention_input_norm is not None and family not in ("deepseek_v3", "lfm2_moe")
 ]
 
 
-@pytest.mark.parametrize("family", INPUT_NORM_FAMILIES)
+@pytest.mark.parametrize(
+    "family", family_params(INPUT_NORM_FAMILIES, fast=set(INPUT_NORM_FAMILIES) - set(hybrid_families()))
+)
 def test_paper_literal_zero_queries_match_source_argmax(family):
     # Without rescaling, each sublayer reads the stream divided by its number of sources; RMSNorm cancels that except
     # for its epsilon. On a stream of realistic magnitude (not 0.02-std toy embeddings) the argmax barely moves.

@@ -15,11 +15,17 @@ import torch
 from packaging.version import Version
 from tiny import attnres_twin, random_ids, tiny_source_model
 
-from attnres.configuration_attnres import OLDEST_TRANSFORMERS, SUPPORTED_FAMILIES
+from attnres.configuration_attnres import FAMILIES, OLDEST_TRANSFORMERS, SUPPORTED_FAMILIES
 
 pytestmark = pytest.mark.slow  # the fast tier skips this file; CI runs it
 
 NEW_TOKENS = 10
+
+
+def families_on(version: str) -> list[str]:
+    return [
+        family for family in SUPPORTED_FAMILIES if Version(FAMILIES[family].oldest_transformers) <= Version(version)
+    ]
 
 
 def python_named_by(variable: str) -> str:
@@ -80,7 +86,7 @@ def test_oldest_supported_transformers_generates_the_same_tokens(tmp_path):
     here and greedy-decoded (with the KV cache) by its remote code on the oldest transformers it supports."""
     python = python_named_by("ATTNRES_OLDEST_TRANSFORMERS_PYTHON")
     prompt, folders, expected = random_ids(length=8), {}, {}
-    for family in SUPPORTED_FAMILIES:
+    for family in families_on(OLDEST_TRANSFORMERS):
         source = tiny_source_model(family, num_layers=3, initializer_range=0.2)
         model = attnres_twin(source, seed=3, attnres_block_size=2)
         folders[family] = str(tmp_path / family)
@@ -97,3 +103,21 @@ def test_oldest_supported_transformers_generates_the_same_tokens(tmp_path):
     assert report["transformers"] == OLDEST_TRANSFORMERS
     assert report["generated"] == expected
     assert "deprecated" not in result.stderr  # before 5.24 `generate` passes `past_key_values`: no warning for that
+
+
+def test_hybrids_on_the_oldest_transformers_stop_naming_the_version_they_need(tmp_path):
+    """The hybrids need a newer transformers than the other families (their recurrent layers' calls): their saved
+    config stops at load, naming it, rather than failing inside a forward pass."""
+    python = python_named_by("ATTNRES_OLDEST_TRANSFORMERS_PYTHON")
+    newer = sorted(set(SUPPORTED_FAMILIES) - set(families_on(OLDEST_TRANSFORMERS)))
+    assert newer, "every family runs on the oldest transformers: this test has nothing left to check"
+    for family in newer:
+        attnres_twin(tiny_source_model(family, num_layers=2)).save_pretrained(tmp_path / family)
+        result = run_without_package(python, LOAD_CONFIG, str(tmp_path / family), tmp_path=tmp_path)
+        assert result.returncode != 0, family
+        oldest = FAMILIES[family].oldest_transformers
+        message = result.stderr.strip().splitlines()[-1]
+        assert (
+            f"'{family}' needs transformers>={oldest}" in message
+            and f'pip install -U "transformers>={oldest}"' in message
+        ), message

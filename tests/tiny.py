@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, PreTrai
 
 import attnres
 from attnres.auto import is_attnres_parameter
+from attnres.configuration_attnres import RECURRENT_LAYER_TYPES
 from attnres_cli.command import main
 
 VOCAB = 96
@@ -29,6 +30,20 @@ COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+# Multi-head latent attention (DeepSeek-V3, Kimi Linear)
+TINY_MLA = dict(
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    num_key_value_heads=4,  # MLA keys have one head per query head
+)
+# Granite's embedding, residual, attention and logits multipliers (Granite, GraniteMoeHybrid)
+GRANITE_SCALARS = dict(
+    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.05, logits_scaling=8.0
+)
+TINY_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
 # Each supported family's settings beside COMMON (tests/test_architecture.py checks that none is missing)
 FAMILY_OVERRIDES = {
     "llama": dict(tie_word_embeddings=True),
@@ -56,10 +71,7 @@ FAMILY_OVERRIDES = {
     # Half the head dimension rotated; residual dropout, which only training sees
     "phi3": dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5), resid_pdrop=0.1),
     "granite": dict(
-        embedding_multiplier=12.0,
-        residual_multiplier=0.22,
-        attention_multiplier=0.05,
-        logits_scaling=8.0,
+        **GRANITE_SCALARS,
         tie_word_embeddings=True,
     ),
     "glm4": dict(),  # rotates half the head dimension by default
@@ -91,13 +103,8 @@ FAMILY_OVERRIDES = {
         moe_intermediate_size=32,
         first_k_dense_replace=1,
         n_shared_experts=1,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
         head_dim=8,
-        num_key_value_heads=4,  # MLA keys have one head per query head
+        **TINY_MLA,
     ),
     "gemma2": dict(
         sliding_window=6,
@@ -114,8 +121,56 @@ FAMILY_OVERRIDES = {
         final_logit_softcapping=30.0,
         tie_word_embeddings=True,
     ),
+    # Hybrids: recurrent layers (gated DeltaNet, short convolution, Kimi Delta Attention) alternate with attention
+    # layers, set below; an MoE every second layer (Qwen3-Next), after a dense first layer (LFM2-MoE, Kimi Linear)
+    "qwen3_next": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        decoder_sparse_step=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
+    "lfm2": dict(),
+    "lfm2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1),
+    "kimi_linear": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        linear_attn_config=dict(num_heads=4, head_dim=16, short_conv_kernel_size=4),
+        **TINY_MLA,
+    ),
+    # Mamba-2 layers (Bamba, GraniteMoeHybrid) and Mamba layers (Jamba) at the even indices, attention at the odd
+    "bamba": dict(attn_layer_indices=[1, 3, 5, 7, 9], **TINY_MAMBA2),
+    "granitemoehybrid": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        **GRANITE_SCALARS,
+        position_embedding_type="rope",
+        **TINY_MAMBA2,
+    ),
+    "jamba": dict(
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=16,
+    ),
 }
 ALTERNATING_LAYER_TYPES = ("gemma2", "gemma3_text", "ministral")
+# The hybrids' recurrent layer type, which alternates with full attention from layer 0 on
+HYBRID_LAYER_TYPES = {
+    "qwen3_next": "linear_attention",
+    "lfm2": "conv",
+    "lfm2_moe": "conv",
+    "kimi_linear": "linear_attention",
+    "granitemoehybrid": "linear_attention",
+}
 # `attnres train` options for a tiny model on a tiny corpus: a few seconds per run on one CPU core
 TINY_RUN = dict(
     seq_len=32,
@@ -130,6 +185,15 @@ TINY_RUN = dict(
     eval_every=100,
     save_every=100,
 )
+
+
+def hybrid_families() -> list[str]:
+    """The supported families whose tiny models have recurrent token mixers."""
+    return [
+        family
+        for family in attnres.SUPPORTED_FAMILIES
+        if set(getattr(tiny_source_config(family), "layer_types", None) or ()) & set(RECURRENT_LAYER_TYPES)
+    ]
 
 
 def random_ids(batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
@@ -148,6 +212,9 @@ def tiny_source_config(family: str, num_layers: int = 5, **overrides):
     kwargs = {**COMMON, **FAMILY_OVERRIDES[family], "num_hidden_layers": num_layers, **overrides}
     if family in ALTERNATING_LAYER_TYPES:  # alternate sliding and full attention layers
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if family in HYBRID_LAYER_TYPES:
+        recurrent = HYBRID_LAYER_TYPES[family]
+        kwargs["layer_types"] = [recurrent if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     return AutoConfig.for_model(family, **kwargs)
 
 

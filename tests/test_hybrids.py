@@ -1,0 +1,61 @@
+"""The hybrid families (recurrent token mixers between attention layers): what their recurrent states add to the
+checks every family gets in test_families.py. Padding reaches the recurrent mixers through their 2D masks; a static
+cache compiles; the model is stateful where the source's is, so that `generate` refuses what cannot step back."""
+
+import pytest
+import torch
+from test_families import perturbed_source
+from tiny import attnres_twin, family_params, hybrid_families, random_ids, tiny_source_config, tiny_source_model
+
+from attnres.configuration_attnres import RECURRENT_LAYER_TYPES
+
+HYBRIDS = hybrid_families()
+GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+
+
+def test_the_tiny_hybrids_alternate_recurrent_and_attention_layers():
+    assert len(HYBRIDS) == 7, HYBRIDS
+    for family in HYBRIDS:
+        layer_types = tiny_source_config(family, num_layers=2).layer_types
+        assert layer_types[0] in RECURRENT_LAYER_TYPES and layer_types[1] == "full_attention", (family, layer_types)
+
+
+@pytest.mark.parametrize("family", family_params(HYBRIDS, fast=("bamba",)))
+def test_left_padded_batch_matches_single_prompts_and_the_source(family):
+    """Left padding reaches the recurrent mixers as their 2D mask: each padded row generates what the prompt alone
+    does, and what the source generates for the batch. Prompts outrun every convolution window (4 tokens)."""
+    source = perturbed_source(family, num_layers=2)
+    model = attnres_twin(source, attnres_block_size=1, attnres_scale_by_num_sources=True)
+    prompts = [random_ids(batch=1, length=n, seed=n)[0] for n in (5, 9, 12)]
+    width = max(len(prompt) for prompt in prompts)
+    ids, mask = torch.zeros(len(prompts), width, dtype=torch.long), torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
+    batched = model.generate(ids, attention_mask=mask, **GREEDY)[:, width:]
+    assert torch.equal(batched, source.generate(ids, attention_mask=mask, **GREEDY)[:, width:])
+    for row, prompt in enumerate(prompts):
+        assert torch.equal(batched[row], model.generate(prompt[None], **GREEDY)[0, len(prompt) :]), row
+
+
+@pytest.mark.slow  # torch.compile: 10 to 30 s a case
+@pytest.mark.parametrize("family", ["lfm2", "bamba"])
+def test_static_cache_compiled_generation_equals_eager(family, one_thread):
+    """The hybrids' sources compile with a static cache (`_can_compile_fullgraph`); so does the AttnRes model, with
+    trained (random) depth parameters, giving the eager tokens."""
+    torch._dynamo.reset()
+    model, prompt = attnres_twin(perturbed_source(family, num_layers=2), seed=2), random_ids(batch=1, length=7)
+    eager_tokens = model.generate(prompt, **GREEDY)
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    assert torch.equal(model.generate(prompt, cache_implementation="static", **GREEDY), eager_tokens)
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2", "bamba"])
+def test_assisted_generation_is_refused_where_the_source_is_stateful(family):
+    source = tiny_source_model(family, num_layers=2)
+    model, prompt = attnres_twin(source), random_ids(batch=1, length=7)
+    assert model._is_stateful == source._is_stateful
+    if source._is_stateful:
+        with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
+            model.generate(prompt, assistant_model=model, **GREEDY)
+    else:
+        assert torch.equal(model.generate(prompt, assistant_model=model, **GREEDY), model.generate(prompt, **GREEDY))
