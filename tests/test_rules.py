@@ -2,6 +2,7 @@
 Full AttnRes): each converts exactly where it can start as the source, is refused in one line where it cannot, trains
 from scratch, reloads, and generates with and without the cache, in the package and as remote code."""
 
+import copy
 import json
 import math
 import os
@@ -332,10 +333,14 @@ def test_ablations_keep_gradient_checkpointing_and_bf16_autocast(ablation):
 
 @pytest.mark.slow  # torch.compile: 10 to 30 s a case
 @pytest.mark.parametrize("ablation", list(ABLATIONS))
-def test_ablations_compile_whole(ablation):
-    """`torch.compile(fullgraph=True)` of a training step gives eager's logits and gradients."""
+def test_ablations_compile_whole(ablation, one_thread):
+    """`torch.compile(fullgraph=True)` of a training step gives eager's logits and gradients: its logits err from a
+    float64 run by at most 4x what eager's fp32 does (the compiler reorders fp32 sums, and a random query projection's
+    sharp depth softmax amplifies that to 1.4e-5 against a few 1e-7 for the other ablations)."""
     torch._dynamo.reset()
     model, ids = ablation_model(ablation).train(), random_ids()
+    with torch.no_grad():
+        exact_logits = copy.deepcopy(model).double()(ids).logits
     results = []
     for forward in (model, torch.compile(model, fullgraph=True)):
         model.zero_grad()
@@ -343,7 +348,10 @@ def test_ablations_compile_whole(ablation):
         output.loss.backward()
         results.append((output.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
     (eager_logits, eager_gradients), (compiled_logits, compiled_gradients) = results
-    torch.testing.assert_close(compiled_logits, eager_logits, rtol=0, atol=1e-5)
+    eager_error = (eager_logits.double() - exact_logits).abs().max().item()
+    compiled_error = (compiled_logits.double() - exact_logits).abs().max().item()
+    print(f"{ablation}: logit error from float64, eager {eager_error:.1e}, compiled {compiled_error:.1e}")
+    assert compiled_error <= 4 * eager_error
     for name, gradient in eager_gradients.items():
         torch.testing.assert_close(compiled_gradients[name], gradient, rtol=1e-4, atol=1e-5)
 
