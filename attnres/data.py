@@ -110,7 +110,8 @@ def load_documents(
     elif split != "train":
         raise DataError(
             f"{dataset or 'the standard-library corpus'} is one split of documents, with no {split!r} split: hold "
-            f"documents out of it with --eval-size instead{'' if dataset is None else f', or put them in {split_folder}'}"
+            f"documents out of it with --eval-size instead"
+            + ("" if dataset is None else f", or put them in {split_folder}")
         )
     else:
         builder, data_files = ("text", stdlib_source_files()) if dataset is None else local_data_files(Path(dataset))

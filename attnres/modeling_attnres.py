@@ -87,7 +87,7 @@ MODEL_HOOKS = (
     "_supports_flex_attn",
     "_supports_attention_backend",
     "_can_compile_fullgraph",
-    "_is_stateful",
+    "_is_stateful",  # read before transformers 5.25 only (below)
     "_can_record_outputs",
     "_tied_weights_keys",
     "_tp_plan",
@@ -104,9 +104,13 @@ def declares_support(model_class: type[PreTrainedModel], backend: str) -> bool:
     return getattr(model_class, hook)
 
 
+# Before 5.25 `generate` refused assisted decoding for a model whose `_is_stateful` says its recurrent states cannot
+# step back to an earlier token; 5.25 records the states and rolls them back, and reads the hook no more.
+REFUSES_STATEFUL_ASSISTED_DECODING = hasattr(PreTrainedModel, "_is_stateful")
+
+
 def is_stateful(model_class: type[PreTrainedModel]) -> bool:
-    """Whether a transformers model class keeps recurrent states that cannot step back to an earlier token."""
-    require_transformers(hasattr(model_class, "_is_stateful"), "PreTrainedModel._is_stateful")
+    """Whether a transformers model class keeps recurrent states that `generate` cannot step back (before 5.25)."""
     return model_class._is_stateful
 
 
@@ -361,11 +365,13 @@ class AttnResPreTrainedModel(PreTrainedModel):
         super().__init__(config, *inputs, **kwargs)
         share_backends(config)  # the source family's modules read their own (text) config
 
-    @property
-    def _is_stateful(self) -> bool:
-        # As the source family's model says: a hybrid's recurrent states cannot step back to an earlier token, so
-        # `generate` refuses assisted decoding, which would need that
-        return is_stateful(family_class(family_of(self.config), "PreTrainedModel"))
+    if REFUSES_STATEFUL_ASSISTED_DECODING:
+
+        @property
+        def _is_stateful(self) -> bool:
+            # As the source family's model says: a hybrid's recurrent states cannot step back to an earlier token, so
+            # `generate` refuses assisted decoding, which would need that
+            return is_stateful(family_class(family_of(self.config), "PreTrainedModel"))
 
     def _sdpa_can_dispatch(self, is_init_check: bool = False) -> bool:
         # The source family's attention decides: Gemma2's softcapping and GPT-OSS's sinks have no sdpa path, so those

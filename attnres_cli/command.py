@@ -44,8 +44,8 @@ from .options import (
     TRUST_REMOTE_CODE_HELP,
     TrainingConfig,
     add_rule_arguments,
-    rule_options,
     check_block_size,
+    rule_options,
     size_in_bytes,
 )
 

@@ -17,7 +17,13 @@ from typing import Any
 from matplotlib.figure import Figure
 from scipy import stats
 
-CONTROL = {"sweep": None, "table4": "prenorm", "long": "prenorm", "convert-tiny": "plain-cpt", "cpt-smollm2": "plain-cpt"}
+CONTROL = {
+    "sweep": None,
+    "table4": "prenorm",
+    "long": "prenorm",
+    "convert-tiny": "plain-cpt",
+    "cpt-smollm2": "plain-cpt",
+}
 # The paper's Table 4 (436M parameters, validation loss); our rule and ablation names (quality.ABLATIONS) as keys
 PAPER_TABLE4 = {
     "prenorm": 1.766,

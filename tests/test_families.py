@@ -98,13 +98,14 @@ def error_against(exact_logits: torch.Tensor, exact: dict, logits: torch.Tensor,
 
 
 def held_out_loss_after_training(model, train_ids: torch.Tensor, held_out_ids: torch.Tensor) -> tuple[float, float]:
-    """(held-out loss before, after) 5 AdamW steps of 4 training sequences each."""
+    """(held-out loss before, after) 5 AdamW steps of 4 training sequences each, in eval mode: dropout (Phi-3's
+    resid_pdrop) would draw different masks for a source and its conversion."""
 
     def held_out_loss() -> float:
         with torch.no_grad():
             return model(held_out_ids, labels=held_out_ids).loss.item()
 
-    model.train()
+    model.eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     before = held_out_loss()
     for batch in train_ids.split(4)[:5]:
@@ -117,8 +118,8 @@ def held_out_loss_after_training(model, train_ids: torch.Tensor, held_out_ids: t
 @pytest.mark.parametrize("family", family_params(SUPPORTED_FAMILIES))
 def test_training_steps_lower_the_held_out_loss_as_the_source_s(family):
     """Trained on one module's text, the converted model scores better on another module's text, as much as its
-    source trained the same way on the same batches (measured on Llama, Qwen3-MoE, Gemma3: a fall of 0.55 to 1.0
-    nats, the two within 0.03 of each other)."""
+    source trained the same way on the same batches (measured: falls of 0.06 nats (Granite, whose logits are scaled
+    down 8x) to 1.0 (Gemma3), the two within 0.06 of each other)."""
     train_ids, held_out_ids = stdlib_text_ids("textwrap", 20, 16), stdlib_text_ids("bisect", 8, 16)
     source = perturbed_source(family)
     model = convert_to_attnres(copy.deepcopy(source), block_size=2)
@@ -128,7 +129,7 @@ def test_training_steps_lower_the_held_out_loss_as_the_source_s(family):
         f"{family}: held-out loss {before:.3f} -> {after:.3f}; the source's {source_before:.3f} -> {source_after:.3f}"
     )
     assert before == pytest.approx(source_before, abs=1e-4)  # the conversion is exact
-    assert after < before - 0.3
+    assert before - after > 0.5 * (source_before - source_after) > 0.02
     assert abs(after - source_after) < 0.1
 
 

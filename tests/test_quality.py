@@ -223,8 +223,8 @@ def test_a_run_held_by_a_live_process_is_left_to_it(tmp_path):
 
 
 def test_the_report_fills_the_page_from_the_files(smoke, tmp_path):
-    page = "# Quality\n\n" + "".join(f"<!-- report: {name} -->\nold\n<!-- /report -->\n\n" for name in
-                                     ("progress", "sweep", "table4", "long", "convert-tiny", "cpt-smollm2"))  # fmt: skip
+    sections = ("progress", "sweep", "table4", "long", "convert-tiny", "cpt-smollm2")
+    page = "# Quality\n\n" + "".join(f"<!-- report: {name} -->\nold\n<!-- /report -->\n\n" for name in sections)
     (tmp_path / "quality.md").write_text(page)
     run_benchmark("--results", str(smoke / "results"), "--docs", str(tmp_path), "--report")
     filled = (tmp_path / "quality.md").read_text()

@@ -455,8 +455,8 @@ def test_convert_under_zero3_asks_to_convert_first(checkpoints, data_files, tmp_
         ("lr", float("inf"), "--lr must be a positive number, got inf"),
         ("seed", -1, "--seed must be between 0 and 2\\*\\*32 - 1"),
         ("lora_r", 0, "--lora-r must be at least 1"),
-        ("block_size", 2, "--mode, --block-size and --from-scratch choose how --convert converts"),
-        ("mode", "full", "--mode, --block-size and --from-scratch choose how --convert converts"),
+        ("block_size", 2, "--mode, --block-size, --from-scratch and the rule options"),
+        ("mode", "full", "--mode, --block-size, --from-scratch and the rule options"),
     ],
 )
 def test_nonsense_numbers_are_refused_before_anything_loads(option, value, words):
@@ -530,7 +530,7 @@ def test_from_scratch_trains_a_rule_on_the_sources_architecture(mode, checkpoint
     assert (trained[name] - source[name]).abs().max().item() > 0.05
     losses = [record["loss"] for record in read_metrics(tmp_path / "out") if "loss" in record]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
-    with pytest.raises(TrainingError, match="--from-scratch choose how --convert converts: add --convert"):
+    with pytest.raises(TrainingError, match="choose how --convert converts: add --convert"):
         run(tmp_path / "other", checkpoints["source"], data_files["jsonl"], from_scratch=True)
     with pytest.raises(ConversionError, match="--mode highway cannot start as the source computes"):
         run(tmp_path / "other", checkpoints["source"], data_files["jsonl"], convert=True, mode="highway")
