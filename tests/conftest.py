@@ -1,9 +1,19 @@
+import os
 import socket
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
+
+# pytest-xdist runs one process per core: each must compute on one thread (and so must the commands the tests start,
+# through OMP_NUM_THREADS), or their OpenMP threads outnumber the cores and wait on each other. On two busy cores that
+# made a 10 s test take 150 s
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_threads_per_worker = max(1, (os.cpu_count() or 1) // _workers)
+os.environ["OMP_NUM_THREADS"] = str(_threads_per_worker)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pool of compiler processes beside the workers
+torch.set_num_threads(_threads_per_worker)
 
 
 @pytest.fixture(scope="module")

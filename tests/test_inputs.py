@@ -237,7 +237,20 @@ DATA_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("case", {**MISTAKES, **DATA_MISTAKES})
+# One command line a case, each a process of its own (about 5 s): the fast tier tries one mistake of each command
+FAST_MISTAKES = (
+    "convert-no-model", "train-no-model", "eval-no-model", "analyze-no-model", "demo-into-the-current-folder",
+    "train-on-latin-1",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        case if case in FAST_MISTAKES else pytest.param(case, marks=pytest.mark.slow)
+        for case in {**MISTAKES, **DATA_MISTAKES}
+    ],
+)
 def test_each_mistake_is_one_line_and_writes_nothing(case, inputs, work):
     argv, words = {**MISTAKES, **DATA_MISTAKES}[case]
     home = work.parent / "home"

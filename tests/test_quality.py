@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "quality.py"
 SMOKE_RUNS = "sweep-small-*,table4-small-*-seed0,table4-small-*-seed1,convert-tiny-*-seed0,cpt-smollm2-*-seed0"
+pytestmark = pytest.mark.slow  # a benchmark's smoke runs (a minute and more): CI runs them, the fast tier does not
+
 FIELDS = {"study", "variant", "size", "params", "seed", "lr", "tokens", "curve", "cpu_s_per_step", "corpus", "command"}
 
 

@@ -267,6 +267,7 @@ def test_attnres_recompute_trains_the_same_weights_and_is_saved(checkpoints, dat
         run(tmp_path / "source", checkpoints["source"], data_files["jsonl"], attnres_recompute=True)
 
 
+@pytest.mark.slow  # torch.compile
 def test_regional_compilation_compiles_every_attnres_layer(tokenizer, data_files, tmp_path, monkeypatch):
     """Accelerate's regional compilation traces each distinct decoder layer: a Full model of 12 layers is 12 graphs,
     past dynamo's default limit of 8, where fullgraph fails. `attnres train` raises the limit, and the compiled run
@@ -326,7 +327,9 @@ def test_lora_adapter_reloads_and_merges_to_the_same_logits(checkpoints, data_fi
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize(
+    "signum, status", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)]
+)
 def test_a_signal_saves_a_checkpoint_and_exits_as_the_signal_would(signum, status, checkpoints, data_files, tmp_path):
     """SIGTERM (a scheduler's preemption) and Ctrl-C save the work since the last checkpoint and exit with
     128 + the signal, not 0: the run did not finish. --resume then continues from the step it stopped at."""
@@ -348,6 +351,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_as_the_signal_would(signum, statu
     assert [path.name for path in (output_dir / "checkpoints").iterdir()] == [f"step-{step}"] and step >= 2
 
 
+@pytest.mark.slow  # trains, exports, and loads in a process of its own
 def test_command_exports_a_model_that_loads_without_the_package(checkpoints, data_files, datasets_cache, tmp_path):
     output_dir = tmp_path / "out"
     options = {**TINY_RUN, "max_steps": 2, "save_every": 1}
