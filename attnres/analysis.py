@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from attnres_cli.errors import AnalysisError
 
 from .configuration_attnres import FAMILIES, AttnResConfig
+from .depth_mixing import read_streams, write_coefficients, write_streams
 from .folders import check_output_dir, output_lock, replace_fix, written_whole
 from .modeling_attnres import AttnResForCausalLM
 from .verification import SAMPLE_TEXT
@@ -152,9 +153,184 @@ def profile_model(model: PreTrainedModel, input_ids: torch.Tensor) -> dict:
         "output_rms": probe.output_rms,
         "gradient_norm": gradient_norms,
     }
-    if is_attnres:
+    if is_attnres and outputs.depth_weights is not None:  # the recurrences weigh no sources
         profile["depth_weights"] = tuple(w.detach() for w in outputs.depth_weights)
     return profile
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The depth-mixing matrix M of any rule (paper §3, Table 1): row i holds how much of each source (the embedding, then
+# each earlier sublayer's output) enters sublayer i's input before its norm, the last row the output's
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def spread_over_outputs(config: AttnResConfig, row: int, weights: torch.Tensor) -> torch.Tensor:
+    """One sublayer's weights over its sources [..., n] -> its row of M [..., 1 + 2L]: the embedding, then each
+    sublayer's output (a block's weight on each of its outputs; 0 where a window or causality hides it)."""
+    num_sublayers = 2 * config.num_hidden_layers
+    # Output j's source index: the embedding is source 0, each block start opens the next (sublayer 0 opens block 1)
+    groups = [sum(config.sublayer_starts_block(s) for s in range(j + 1)) for j in range(row)]
+    dropped = (groups[-1] if groups else 0) - (weights.shape[-1] - 1)  # the oldest blocks a window left out
+    if config.attnres_scale_by_num_sources and config.attnres_mode in ("block", "full"):  # zero logits: the sum
+        weights = weights * (weights.shape[-1] if config.attnres_score == "softmax" else 2)
+    entries = weights.new_zeros(*weights.shape[:-1], 1 + num_sublayers)
+    entries[..., 0] = weights[..., 0]
+    for output, group in enumerate(groups):
+        if group > dropped:
+            entries[..., 1 + output] = weights[..., group - dropped]
+    return entries
+
+
+@dataclass
+class StreamCoefficients:
+    """One sublayer of a recurrence on m streams H [B,T,m,d] (m = 1 but for mHC): it reads sum_j read_j H_j, then
+    writes H <- carry @ H + write y, per token."""
+
+    read: torch.Tensor  # [B,T,m]
+    carry: torch.Tensor  # [B,T,m,m]
+    write: torch.Tensor  # [B,T,m]
+
+
+def recurrence_rows(coefficients: list[StreamCoefficients], output_read: torch.Tensor) -> torch.Tensor:
+    """The recurrence unrolled: each stream as a weighted sum of the sources C [B,T,m,S] -> rows of M [B,T,R,S]"""
+    batch_shape, num_streams = output_read.shape[:-1], output_read.shape[-1]
+    streams = output_read.new_zeros(*batch_shape, num_streams, len(coefficients) + 1)
+    streams[..., 0] = 1.0  # every stream starts as the embedding
+    rows = []
+    for sublayer, step in enumerate(coefficients):
+        rows.append((step.read.unsqueeze(-2) @ streams).squeeze(-2))
+        streams = step.carry @ streams
+        streams[..., sublayer + 1] += step.write
+    rows.append((output_read.unsqueeze(-2) @ streams).squeeze(-2))
+    return torch.stack(rows, dim=-2)
+
+
+def _heads(model: AttnResForCausalLM, part: str) -> list[nn.Module]:
+    """Every sublayer's module `part` of the rule, in order (A0, M0, A1, ...), then the output's if it has one."""
+    heads = [
+        getattr(layer, f"{sublayer}_res_{part}")
+        for layer in model.model.layers
+        for sublayer in ("self_attention", "mlp")
+    ]
+    output = getattr(model.model, f"output_attn_res_{part}", None)
+    return heads + ([output] if output is not None else [])
+
+
+def _record_outputs(modules: list[nn.Module]) -> tuple[list, list]:
+    """Hooks that keep each module's output, in call order -> (outputs, handles)"""
+    outputs = []
+    handles = [module.register_forward_hook(lambda m, args, output: outputs.append(output)) for module in modules]
+    return outputs, handles
+
+
+def scaled_output_coefficients(model, input_ids, run) -> tuple[list[StreamCoefficients], torch.Tensor]:
+    """ReZero and LayerScale: h <- h + s f; LayerScale's per-channel s enters M as its mean over channels."""
+    ones = torch.ones(*input_ids.shape, 1)
+    run()
+    steps = [
+        StreamCoefficients(ones, ones.unsqueeze(-1), ones * float(head.weight.detach().float().mean()))
+        for head in _heads(model, "scale")
+    ]
+    return steps, ones
+
+
+def highway_coefficients(model, input_ids, run) -> tuple[list[StreamCoefficients], torch.Tensor]:
+    """Highway: h <- (1 - g) h + g f, with each token's gate g [B,T,1] as the sublayer computed it."""
+    gates, handles = _record_outputs(_heads(model, "gate"))
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    ones = torch.ones(*input_ids.shape, 1)
+    steps = [StreamCoefficients(ones, (1 - gate.float()).unsqueeze(-1), gate.float()) for gate in gates]
+    return steps, ones
+
+
+def hyper_connection_coefficients(model, input_ids, run) -> tuple[list[StreamCoefficients], torch.Tensor]:
+    """mHC: each sublayer reads alpha . H and writes H <- A H + beta y, the coefficients computed from the streams it
+    read. The streams come from the layers' inputs; those the MLP reads, from its attention's write."""
+    layers = model.model.layers
+    layer_streams, attention_outputs = [], []
+    handles = [
+        layer.register_forward_pre_hook(lambda m, args: layer_streams.append(args[0].detach())) for layer in layers
+    ]
+    for layer in layers:
+        token_mixer = getattr(layer, layer.token_mixer)
+        handles.append(
+            token_mixer.register_forward_hook(
+                lambda m, args, output, layer=layer: attention_outputs.append(
+                    layer._sublayer_output(0, output[0] if isinstance(output, tuple) else output).detach()
+                )
+            )
+        )
+    handles.append(layers[-1].register_forward_hook(lambda m, args, output: layer_streams.append(output[0].detach())))
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    connections = _heads(model, "connection")
+    steps = []
+    for layer, (streams, attention_output) in enumerate(zip(layer_streams[:-1], attention_outputs, strict=True)):
+        attention, mlp = connections[2 * layer], connections[2 * layer + 1]
+        mlp_streams = write_streams(streams, attention_output, *attention(), attention.eps)
+        for connection, read_from in ((attention, streams), (mlp, mlp_streams)):
+            _, alpha = read_streams(read_from, *connection(), connection.eps)
+            beta, carry = write_coefficients(read_from, *connection(), connection.eps)
+            steps.append(StreamCoefficients(alpha, carry, beta))
+    output = connections[-1]
+    _, output_read = read_streams(layer_streams[-1], *output(), output.eps)
+    return steps, output_read
+
+
+RECURRENCES = {
+    "prenorm": None,  # every coefficient 1
+    "rezero": scaled_output_coefficients,
+    "layerscale": scaled_output_coefficients,
+    "highway": highway_coefficients,
+    "mhc": hyper_connection_coefficients,
+}
+
+
+@torch.no_grad()
+def token_mixing_matrices(model: AttnResForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's depth-mixing matrix -> [B,T,R,S], R = 2L + 1 rows (A0, M0, ..., the output), S = 1 + 2L sources
+    (the embedding, A0, M0, ...): the depth weights for AttnRes and DenseFormer, the products of the recurrence's
+    coefficients for the others."""
+    config = model.config
+    mode = config.attnres_mode
+    if mode == "postnorm":
+        raise AnalysisError(
+            "analyze: PostNorm normalises the stream after each sum, so no sublayer reads a weighted sum of the "
+            "sources: it has no depth-mixing matrix"
+        )
+    input_ids = input_ids.to(model.device)
+
+    def run():
+        return model(input_ids, output_depth_weights=True)
+
+    if mode not in RECURRENCES:  # the rules that weigh sources say how
+        depth_weights = run().depth_weights
+        rows = [spread_over_outputs(config, row, weights.float().cpu()) for row, weights in enumerate(depth_weights)]
+        return torch.stack(rows, dim=-2)
+    if RECURRENCES[mode] is None:
+        ones = torch.ones(*input_ids.shape, 1)
+        steps, output_read = [StreamCoefficients(ones, ones.unsqueeze(-1), ones)] * 2 * config.num_hidden_layers, ones
+    else:
+        steps, output_read = RECURRENCES[mode](model, input_ids, run)
+    steps = [StreamCoefficients(*(t.float().cpu() for t in (s.read, s.carry, s.write))) for s in steps]
+    return recurrence_rows(steps, output_read.float().cpu())
+
+
+def mixing_matrix(model: AttnResForCausalLM, input_ids: torch.Tensor) -> list[list[float | None]]:
+    """M averaged over tokens: rows A0, M0, ..., the output; columns the embedding, A0, M0, ...; None where a row
+    cannot see a source (a later sublayer's output)."""
+    mean = token_mixing_matrices(model, input_ids).mean(dim=(0, 1))
+    return [
+        [value if column <= row else None for column, value in enumerate(values)]
+        for row, values in enumerate(mean.tolist())
+    ]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -188,6 +364,31 @@ def plot_depth_weights(report: dict, config: AttnResConfig, path: Path) -> None:
     # Zero pseudo-queries weigh every source alike: a converted model starts from uniform rows
     axes.set_title(f"Where each sublayer looks in depth ({layout})\nstart of training: uniform, 1 / number of sources")
     figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_mixing_matrices(panels: dict[str, list[list[float | None]]], sublayers: list[str], path: Path) -> None:
+    """Depth-mixing matrices side by side, one panel per model, on one colour scale centred at 0."""
+    from matplotlib.figure import Figure
+
+    matrices = {
+        title: torch.tensor([[math.nan if w is None else w for w in row] for row in rows])
+        for title, rows in panels.items()
+    }
+    largest = max(float(matrix.nan_to_num().abs().max()) for matrix in matrices.values()) or 1.0
+    size = len(sublayers) + 1
+    figure = Figure(figsize=(1.5 + len(matrices) * max(3.5, 0.3 * size), max(4.0, 0.25 * size + 2)))
+    axes = figure.subplots(1, len(matrices), squeeze=False)[0]
+    for panel, (title, matrix) in zip(axes, matrices.items(), strict=True):
+        image = panel.imshow(matrix.numpy(), cmap="RdBu_r", vmin=-largest, vmax=largest, interpolation="nearest")
+        panel.set_title(title, fontsize=9)
+        step = max(1, size // 12)
+        panel.set_xticks(range(0, size, step), (["emb"] + sublayers)[::step], rotation=60, fontsize=7)
+        panel.set_yticks(range(0, size, step), (sublayers + ["out"])[::step], fontsize=7)
+        panel.set_xlabel("source")
+    axes[0].set_ylabel("reading sublayer")
+    figure.colorbar(image, ax=list(axes), label="weight of the source in the input (mean over tokens)")
+    figure.suptitle("Depth-mixing matrices M: how much of each source enters each sublayer's input")
     figure.savefig(path, dpi=120)
 
 
@@ -245,13 +446,17 @@ def analyze(
     input_ids: torch.Tensor,
     output_dir: str | Path,
     baseline: PreTrainedModel | None = None,
+    compare: dict[str, AttnResForCausalLM] | None = None,
 ) -> dict:
     """Profile `model` (and `baseline`, a plain model of the same family) on `input_ids` [batch, tokens]; write the
-    three pictures and `analysis.json` into `output_dir`, and return the report."""
-    if not isinstance(model.config, AttnResConfig):
-        raise AnalysisError(
-            f"analyze: expected an AttnRes model, got {type(model).__name__}; pass a plain model as baseline"
-        )
+    pictures and `analysis.json` into `output_dir`, and return the report. `compare` (label -> model, any rule) adds
+    those models' depth-mixing matrices beside this one's."""
+    compare = compare or {}
+    for label, other in {"analyze": model, **compare}.items():
+        if not isinstance(other.config, AttnResConfig):
+            raise AnalysisError(
+                f"{label}: expected an AttnRes model, got {type(other).__name__}; pass a plain model as baseline"
+            )
     config = model.config
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -264,15 +469,28 @@ def analyze(
         "num_layers": config.num_hidden_layers,
         "tokens": int(input_ids.numel()),
         "sublayers": sublayer_names(config.num_hidden_layers),
-        "sources": source_columns(config),
-        "num_sources": config.num_sources(),
-        "depth_weights": depth_weight_map(config, profile["depth_weights"]),
-        "entropy": depth_weight_entropy(profile["depth_weights"]).mean(0).tolist(),
-        "max_entropy": [math.log(n) for n in config.num_sources()],
         "loss": {"attnres": profile["loss"]},
         "magnitudes": {"attnres": {"input_rms": profile["input_rms"], "output_rms": profile["output_rms"]}},
         "gradients": {"attnres": profile["gradient_norm"]},
     }
+    if "depth_weights" in profile:  # the rules that weigh sources: their weights as they are, and how spread
+        report |= {
+            "sources": source_columns(config),
+            "num_sources": config.num_sources(),
+            "depth_weights": depth_weight_map(config, profile["depth_weights"]),
+            "entropy": depth_weight_entropy(profile["depth_weights"]).mean(0).tolist(),
+            "max_entropy": [math.log(n) for n in config.num_sources()],
+        }
+    mixing = {}
+    for label, other in {"this model": model, **compare}.items():
+        if other.config.num_hidden_layers != config.num_hidden_layers:
+            raise AnalysisError(
+                f"--compare {label}: it has {other.config.num_hidden_layers} layers, the model "
+                f"{config.num_hidden_layers}; compare models of one depth"
+            )
+        if other.config.attnres_mode != "postnorm":  # no weighted sum of the sources to draw
+            mixing[f"{label}: {other.config.attnres_mode}"] = mixing_matrix(other, input_ids)
+    report["mixing_matrices"] = mixing
     if baseline is not None:
         baseline_profile = profile_model(baseline, input_ids.to(baseline.device))
         report["loss"]["baseline"] = baseline_profile["loss"]
@@ -281,7 +499,10 @@ def analyze(
             "output_rms": baseline_profile["output_rms"],
         }
         report["gradients"]["baseline"] = baseline_profile["gradient_norm"]
-    plot_depth_weights(report, config, output_dir / "depth_weights.png")
+    if "depth_weights" in report:
+        plot_depth_weights(report, config, output_dir / "depth_weights.png")
+    if mixing:
+        plot_mixing_matrices(mixing, report["sublayers"], output_dir / "mixing_matrices.png")
     plot_magnitudes(report, config, output_dir / "magnitudes.png")
     plot_gradients(report, config, output_dir / "gradients.png")
     (output_dir / "analysis.json").write_text(json.dumps(report, indent=1))
@@ -332,9 +553,22 @@ def run_analyze(args: argparse.Namespace) -> int:
         if source is not None:
             baseline = load_source(source, gguf_file=gguf_file, trust_remote_code=args.trust_remote_code)
             baseline = baseline.to(args.device)
+        compare = {
+            str(folder): load_source(folder, trust_remote_code=args.trust_remote_code).to(args.device)
+            for folder in args.compare or ()
+        }
+        for label, other in compare.items():  # they read the model's tokens
+            if other.config.get_text_config().vocab_size != model.config.get_text_config().vocab_size:
+                raise AnalysisError(
+                    f"--compare {label}: its vocabulary is not the model's; compare models of one tokenizer"
+                )
         with written_whole(args.output) as staging:  # --overwrite: the earlier analysis goes whole, none of it stays
-            report = analyze(model, input_ids, staging, baseline=baseline)
-    mean_entropy = sum(report["entropy"]) / len(report["entropy"])
-    print(f"Analysed {report['tokens']} tokens (mean depth-weight entropy {mean_entropy:.3f} nats); wrote")
-    print(f"depth_weights.png, magnitudes.png, gradients.png and analysis.json to {args.output}")
+            report = analyze(model, input_ids, staging, baseline=baseline, compare=compare)
+    written = [name for name in ("depth_weights.png", "mixing_matrices.png") if (args.output / name).exists()]
+    if "entropy" in report:
+        mean_entropy = sum(report["entropy"]) / len(report["entropy"])
+        print(f"Analysed {report['tokens']} tokens (mean depth-weight entropy {mean_entropy:.3f} nats); wrote")
+    else:
+        print(f"Analysed {report['tokens']} tokens ({report['mode']} weighs no sources: no depth weights); wrote")
+    print(f"{', '.join(written + ['magnitudes.png', 'gradients.png'])} and analysis.json to {args.output}")
     return 0

@@ -150,6 +150,13 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
         "SmolLM2-135M-Instruct",
     )
     parser.add_argument("--baseline-gguf-file", help="load the baseline's weights from this GGUF file inside it")
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="MODEL",
+        help="more AttnRes models (any rule, same tokenizer and depth) whose depth-mixing matrices are drawn beside "
+        "the model's in mixing_matrices.png",
+    )
     text = parser.add_mutually_exclusive_group()
     text.add_argument("--text", type=Path, help="a UTF-8 text file to run the models on (default: a built-in sample)")
     text.add_argument("--dataset", help="a Hugging Face dataset to take the text from instead")

@@ -8,7 +8,9 @@ import torch
 from PIL import Image
 from tiny import VOCAB, attnres_twin, tiny_source_model, tiny_tokenizer
 
-from attnres.analysis import analyze, depth_weight_entropy, depth_weight_map
+import attnres
+from attnres.analysis import analyze, depth_weight_entropy, depth_weight_map, mixing_matrix, token_mixing_matrices
+from attnres.conversion import convert_to_attnres
 from attnres_cli.command import main
 
 
@@ -107,6 +109,7 @@ def test_analyze_command_writes_the_report(tmp_path):
     assert {p.name for p in (tmp_path / "out").iterdir()} == {
         "analysis.json",
         "depth_weights.png",
+        "mixing_matrices.png",
         "magnitudes.png",
         "gradients.png",
     }
@@ -122,3 +125,125 @@ def test_a_window_places_each_weight_under_its_source():
     assert rows[1] == [1.0, 2.0, None, None, None, None, None]
     assert rows[5] == [1.0, None, None, 2.0, 3.0, 4.0, None]
     assert rows[6] == [1.0, None, None, None, 2.0, 3.0, 4.0]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The depth-mixing matrix of every rule
+# --------------------------------------------------------------------------------------------------------------------
+
+# Every rule that reads a weighted sum of the sources with one weight per source (LayerScale's is per channel, as are
+# multihead AttnRes's, one per channel group: their M is the mean), and the AttnRes ablations that change how the
+# weights are made or which sources are seen
+SCALAR_MIXING = {
+    "prenorm": {}, "rezero": {}, "highway": {}, "denseformer": {}, "mhc": {}, "block": {"attnres_block_size": 1},
+    "full": {}, "full-window": {"attnres_window": 2}, "full-sigmoid": {"attnres_score": "sigmoid"},
+    "full-projected-query": {"attnres_query": "projected"},
+}  # fmt: skip
+
+
+def random_rule_model(rule: str, seed: int = 0, **settings) -> attnres.AttnResForCausalLM:
+    """A tiny 4-layer Llama of `rule` with every parameter the rule adds moved off its init."""
+    config = attnres.AttnResConfig(
+        text_config=tiny_source_model("llama", num_layers=4).config.to_dict(), attnres_mode=rule, **settings
+    )
+    torch.manual_seed(seed)
+    model = attnres.AttnResForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "_res_" in name:
+                parameter.add_(0.3 * torch.randn(parameter.shape))
+    return model
+
+
+@pytest.mark.parametrize("variant", list(SCALAR_MIXING))
+def test_each_token_s_mixing_matrix_rebuilds_every_sublayer_input(variant):
+    """Summing the sources (embedding, each sublayer's output) with a token's row of M gives exactly what the sublayer
+    read before its norm, and the output's row what the final norm read."""
+    model = random_rule_model(variant.split("-")[0], **SCALAR_MIXING[variant])
+    ids = text_ids(length=16)
+    layers, inputs, outputs = model.model.layers, {}, {}
+
+    def keep(store, index, take_input):
+        return lambda module, args, output: store.__setitem__(index, args[0] if take_input else output)
+
+    handles = [model.model.norm.register_forward_hook(keep(inputs, 2 * len(layers), True))]
+    for layer_index, layer in enumerate(layers):
+        attention, mlp = 2 * layer_index, 2 * layer_index + 1
+        handles += [
+            layer.input_layernorm.register_forward_hook(keep(inputs, attention, True)),
+            layer.post_attention_layernorm.register_forward_hook(keep(inputs, mlp, True)),
+            layer.self_attn.register_forward_hook(
+                lambda module, args, output, i=attention: outputs.update({i: output[0]})
+            ),
+            layer.mlp.register_forward_hook(keep(outputs, mlp, False)),
+        ]
+    with torch.no_grad():
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    sources = torch.stack([model.model.embed_tokens(ids).detach()] + [outputs[i] for i in range(2 * len(layers))], -2)
+    matrices = token_mixing_matrices(model, ids)  # [B,T,R,S]
+    assert matrices.shape == (2, 16, 2 * len(layers) + 1, 2 * len(layers) + 1)
+    assert torch.all(matrices.triu(1)[..., :-1, :] == 0)  # no sublayer reads a later output
+    for row, read in inputs.items():
+        rebuilt = (matrices[..., row, :, None] * sources).sum(-2)
+        assert (rebuilt - read).abs().max() <= 3e-7 * read.abs().max(), row
+
+
+def test_matrices_of_the_rules_at_their_published_start():
+    """PreNorm reads every source with weight 1, ReZero only the embedding, Highway's gates start at sigmoid(-1), and
+    Full AttnRes's zero queries weigh each source alike."""
+    ids = text_ids(length=8)
+    source = tiny_source_model("llama", num_layers=2)
+
+    def matrix(rule: str) -> torch.Tensor:
+        config = attnres.AttnResConfig(text_config=source.config.to_dict(), attnres_mode=rule)
+        model = attnres.AttnResForCausalLM(config).eval()
+        return torch.tensor([[math.nan if w is None else w for w in row] for row in mixing_matrix(model, ids)])
+
+    visible = torch.ones(5, 5).tril().bool()
+    prenorm, rezero, highway, full = (matrix(rule) for rule in ("prenorm", "rezero", "highway", "full"))
+    assert torch.equal(prenorm[visible], torch.ones(15)) and prenorm[~visible].isnan().all()
+    assert torch.equal(rezero[:, 0], torch.ones(5)) and torch.equal(rezero[:, 1:][visible[:, 1:]], torch.zeros(10))
+    gate = torch.sigmoid(torch.tensor(-1.0))
+    torch.testing.assert_close(
+        highway[4, :], torch.stack([(1 - gate) ** 4, *(gate * (1 - gate) ** k for k in (3, 2, 1, 0))])
+    )
+    torch.testing.assert_close(full[visible], torch.cat([torch.full((row,), 1 / row) for row in range(1, 6)]))
+
+
+@pytest.mark.parametrize("rule", ["denseformer", "mhc", "rezero", "block", "full"])
+def test_a_converted_model_mixes_as_its_source(rule):
+    """An exact conversion starts as PreNorm: M is 1 for every earlier source (mHC within its float rounding)."""
+    converted = convert_to_attnres(tiny_source_model("llama", num_layers=3), mode=rule)
+    rows = mixing_matrix(converted, text_ids(length=8))
+    for row_index, row in enumerate(rows):
+        assert row[row_index + 1 :] == [None] * (len(row) - row_index - 1)
+        assert all(abs(weight - 1) < 1e-6 for weight in row[: row_index + 1]), (row_index, row)
+
+
+def test_analyze_draws_the_rules_side_by_side(tmp_path):
+    """`--compare` draws each model's M in one figure; PostNorm, which has none, is analysed without one."""
+    folders = {}
+    for rule in ("block", "mhc", "highway", "postnorm"):
+        folders[rule] = tmp_path / rule
+        random_rule_model(rule, **({"attnres_block_size": 1} if rule == "block" else {})).save_pretrained(folders[rule])
+        tiny_tokenizer().save_pretrained(folders[rule])
+    text = tmp_path / "text.txt"
+    text.write_text("Where each sublayer looks in depth, measured on a short text. " * 4)
+    arguments = ["--text", str(text), "--tokens", "32"]
+    compare = ["--compare", str(folders["mhc"]), str(folders["highway"])]
+    assert main(["analyze", str(folders["block"]), *arguments, *compare, "--output", str(tmp_path / "rules")]) == 0
+    report = json.loads((tmp_path / "rules" / "analysis.json").read_text())
+    assert list(report["mixing_matrices"]) == [
+        "this model: block",
+        f"{folders['mhc']}: mhc",
+        f"{folders['highway']}: highway",
+    ]
+    assert (
+        Image.open(tmp_path / "rules" / "mixing_matrices.png").size[0]
+        > Image.open(tmp_path / "rules" / "magnitudes.png").size[0]
+    )
+    assert main(["analyze", str(folders["postnorm"]), *arguments, "--output", str(tmp_path / "postnorm-analysis")]) == 0
+    written = {path.name for path in (tmp_path / "postnorm-analysis").iterdir()}
+    assert written == {"analysis.json", "magnitudes.png", "gradients.png"}
