@@ -7,6 +7,7 @@ decode uses the static cache with a compiled forward; the compile time (the firs
 
     python benchmarks/overhead.py                      # converted SmolLM2-135M and a tiny random model, Block and Full
     python benchmarks/overhead.py --models tiny --worlds eager --json overhead.json
+    python benchmarks/overhead.py --models tiny --modes all --worlds eager   # every residual rule
     python benchmarks/overhead.py --device cuda --dtype bfloat16
     python benchmarks/overhead.py --saved-memory       # bytes kept for the backward pass: bf16, autocast, fp32
     python benchmarks/overhead.py --compile-time       # CPU seconds of the first compiled training step
@@ -34,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnres
+from attnres.configuration_attnres import RESIDUAL_RULES
 from attnres.conversion import DTYPES, attnres_config_for, convert_to_attnres
 from attnres.modeling_attnres import CACHE_NAME
 from attnres.sources import default_model_path, load_source
@@ -56,6 +58,18 @@ def tiny_config(num_layers: int) -> transformers.PreTrainedConfig:
 def tiny_model(num_layers: int, dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_config(num_layers), dtype=dtype).eval()
+
+
+def attnres_twin(source: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """`source` converted to the rule `mode`; PostNorm and Highway, which cannot start as the source computes, are
+    built as for training from scratch around the source's weights (what they cost does not depend on the start)."""
+    if RESIDUAL_RULES[mode].converts is None:
+        return convert_to_attnres(source, mode=mode)
+    config = attnres_config_for(source.config, mode, exact_start=False)
+    twin = attnres.AttnResForCausalLM(config).to(source.dtype)
+    missing = twin.load_state_dict(source.state_dict(), strict=False).missing_keys
+    assert all("_res_" in key for key in missing), missing  # only the rule's own parameters start fresh
+    return twin.eval()
 
 
 def keep_freed_memory() -> bool:
@@ -121,7 +135,7 @@ import overhead
 name, mode, which, dtype, device, world = sys.argv[1:7]
 model = overhead.source_model(name, overhead.DTYPES[dtype])
 if which == "attnres":
-    model = overhead.convert_to_attnres(model, mode=mode)  # takes over the source's tensors
+    model = overhead.attnres_twin(model, mode)  # takes over the source's tensors
 model = model.to(device).train()
 ids = torch.randint(0, model.config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0)).to(device)
 step = overhead.training_step(model, ids, world)
@@ -156,7 +170,7 @@ def training_peak_memory(name: str, mode: str, which: str, dtype: str, device: s
 
 def build_pair(name: str, mode: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     source = source_model(name, dtype)
-    twin = convert_to_attnres(copy.deepcopy(source), mode=mode)  # its own weights: both get trained below
+    twin = attnres_twin(copy.deepcopy(source), mode)  # its own weights: both get trained below
     return source.to(device), twin.to(device)
 
 
@@ -200,6 +214,44 @@ def decode_operations(model: torch.nn.Module, prompt: torch.Tensor) -> int:
     return counter.count
 
 
+class TrafficCounter(TorchDispatchMode):
+    """Bytes that the aten operations run inside it read and write, weights excluded: the activations' traffic."""
+
+    def __init__(self, weights: set[int]):
+        super().__init__()
+        self.weights, self.bytes = weights, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, output)) if isinstance(t, torch.Tensor)]
+        self.bytes += sum(t.nbytes for t in tensors if t.untyped_storage().data_ptr() not in self.weights)
+        return output
+
+
+def decode_traffic(model: torch.nn.Module, prompt: torch.Tensor) -> int:
+    """Activation bytes read and written by one eager greedy decode step (one token on the KV cache of `prompt`)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.no_grad():
+        prefill = model(prompt, use_cache=True)
+        next_token = prefill.logits[:, -1:].argmax(-1)
+        with TrafficCounter(weights) as counter:
+            model(next_token, use_cache=True, **{CACHE_NAME: getattr(prefill, CACHE_NAME)})
+    return counter.bytes
+
+
+def residual_traffic(source: torch.nn.Module, twin: torch.nn.Module, prompt: torch.Tensor) -> dict:
+    """The depth mix's memory traffic per token and layer, in units of d elements: the twin's activation bytes beyond
+    the source's, plus the 3d the source's residual add moves (read h and f, write h + f), as the paper counts
+    (standard 3d, Block AttnRes 5.5d, mHC with m = 4 34d). Eager and unfused: every temporary counts."""
+    config = source.config
+    unit = config.num_hidden_layers * config.hidden_size * next(source.parameters()).element_size()
+    extra = (decode_traffic(twin, prompt) - decode_traffic(source, prompt)) / unit
+    return {"extra_d": extra, "total_d": 3 + extra}
+
+
+PAPER_TRAFFIC_D = {"prenorm": 3, "block": 5.5, "mhc": 34}  # the paper's analytical residual traffic per layer
+
+
 def benchmark_row(name: str, mode: str, world: str, args: argparse.Namespace) -> dict:
     dtype, device = DTYPES[args.dtype], args.device
     source, twin = build_pair(name, mode, dtype, device)
@@ -229,6 +281,7 @@ def benchmark_row(name: str, mode: str, world: str, args: argparse.Namespace) ->
     for key in ("source_s", "attnres_s"):
         row["decode_per_token"][key] /= 64
     row["decode_operations"] = {"source": decode_operations(source, prompt), "attnres": decode_operations(twin, prompt)}
+    row["residual_traffic"] = residual_traffic(source, twin, prompt)
 
     memory = {
         which: training_peak_memory(name, mode, which, args.dtype, device, world) for which in ("source", "attnres")
@@ -319,7 +372,7 @@ mode, which, num_layers, dtype, device, backend = sys.argv[1:7]
 torch.set_num_threads(1)
 model = overhead.tiny_model(int(num_layers), overhead.DTYPES[dtype])
 if which == "attnres":
-    model = overhead.convert_to_attnres(model, mode=mode)
+    model = overhead.attnres_twin(model, mode)
 model = model.to(device).train()
 ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
 compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -405,12 +458,14 @@ def environment(args: argparse.Namespace) -> dict:
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| model | mode | blocks of | world | prefill | training step | decode / token "
-        "| decode ops / token (source / AttnRes) | train peak memory (process) "
+        "| decode ops / token (source / AttnRes) | residual traffic / token / layer (eager; paper) "
+        "| train peak memory (process) "
         "| train step memory (above weights + optimizer) | compile s (source / AttnRes: prefill, train, decode) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         memory = row["train_peak_memory"]
+        paper = f"{PAPER_TRAFFIC_D[row['mode']]}d" if row["mode"] in PAPER_TRAFFIC_D else "-"
         layout = block_layout(row)
         compile_times = "-"
         if row["world"] == "compiled":
@@ -422,12 +477,13 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {row['model']} | {row['mode']} | {layout} | {row['world']} | {row['prefill']['ratio']:.3f} "
             f"| {row['train_step']['ratio']:.3f} | {row['decode_per_token']['ratio']:.3f} "
             f"| {row['decode_operations']['source']} / {row['decode_operations']['attnres']} "
+            f"| {row['residual_traffic']['total_d']:.1f}d ({paper}) "
             f"| {memory['ratio']:.3f} | {memory['step_ratio']:.3f} | {compile_times} |"
         )
     return "\n".join(lines)
 
 
-LIST_CHOICES = {"models": ("smollm2", "tiny"), "modes": ("block", "full"), "worlds": ("eager", "compiled")}
+LIST_CHOICES = {"models": ("smollm2", "tiny"), "modes": tuple(RESIDUAL_RULES), "worlds": ("eager", "compiled")}
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -435,7 +491,11 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--models", default="smollm2,tiny", help="comma-separated: " + ", ".join(LIST_CHOICES["models"])
     )
-    parser.add_argument("--modes", default="block,full", help="comma-separated: " + ", ".join(LIST_CHOICES["modes"]))
+    parser.add_argument(
+        "--modes",
+        default="block,full",
+        help="comma-separated residual rules, or all: " + ", ".join(LIST_CHOICES["modes"]),
+    )
     parser.add_argument(
         "--worlds", default="eager,compiled", help="comma-separated: " + ", ".join(LIST_CHOICES["worlds"])
     )
@@ -466,6 +526,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         "--system-malloc", action="store_true", help="time with glibc's default malloc, which returns freed memory"
     )
     args = parser.parse_args(argv)
+    if args.modes == "all":
+        args.modes = ",".join(LIST_CHOICES["modes"])
     for option, choices in LIST_CHOICES.items():
         unknown = sorted(set(getattr(args, option).split(",")) - set(choices))
         if unknown:

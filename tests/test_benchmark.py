@@ -3,12 +3,14 @@ saved-activation figures are those docs/benchmarks.md publishes. Timings are mea
 machine a step timed against itself came out anywhere from 0.3x to 3x. The end-to-end run is a separate process: while
 timing, the benchmark changes how its process's malloc returns memory."""
 
+import copy
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_memory import overhead
 
 pytestmark = pytest.mark.slow  # the fast tier skips this file; CI runs it
@@ -75,3 +77,17 @@ def test_compile_time_benchmark_reports_both_models(tmp_path):
         assert row["ratio"] == row["attnres"]["cpu_s"] / row["source"]["cpu_s"]
         assert row["source"]["kernels"] == row["attnres"]["kernels"] == 0  # the eager backend builds none
     assert "| block | 2 | 1 layer |" in result.stdout and "| full | 2 | 1 sublayer |" in result.stdout
+
+
+def test_residual_traffic_ranks_the_rules_as_the_paper_counts_them():
+    """One decode step's activation traffic per token and layer, counted in d: PreNorm in AttnRes's class moves what
+    the source's residual add moves (3d), Block AttnRes more (paper: 5.5d), mHC's four streams most (paper: 34d)."""
+    source = overhead.tiny_model(4, torch.float32)
+    prompt = torch.randint(0, 1024, (1, 16), generator=torch.Generator().manual_seed(0))
+    traffic = {
+        mode: overhead.residual_traffic(source, overhead.attnres_twin(copy.deepcopy(source), mode), prompt)["total_d"]
+        for mode in ("prenorm", "block", "highway", "mhc")
+    }
+    print(traffic)
+    assert abs(traffic["prenorm"] - 3) < 0.5
+    assert traffic["prenorm"] < traffic["block"] < traffic["mhc"] and traffic["prenorm"] < traffic["highway"]
