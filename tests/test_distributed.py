@@ -168,7 +168,7 @@ def assert_trains_like_one_process(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# FSDP2: the units the training command makes, Block and Full, with and without activation checkpointing
+# FSDP2: the units the training command makes, every rule, with and without activation checkpointing
 # --------------------------------------------------------------------------------------------------------------------
 
 FSDP2_SCRIPT = """
@@ -225,6 +225,12 @@ FSDP2_CASES = {
         "attnres": {"attnres_block_size": 2, "attnres_recompute": True},
         "activation_checkpointing": True,
     },
+    # The other residual rules, from their own init: their parameters (mHC's [24, 4d] projections, gates of one
+    # element) shard and gather as AttnRes's do
+    "mhc-checkpointed": {"attnres": {"attnres_mode": "mhc"}, "activation_checkpointing": True},
+    "highway": {"attnres": {"attnres_mode": "highway"}, "activation_checkpointing": False},
+    "layerscale": {"attnres": {"attnres_mode": "layerscale"}, "activation_checkpointing": False},
+    "denseformer-checkpointed": {"attnres": {"attnres_mode": "denseformer"}, "activation_checkpointing": True},
 }
 
 
@@ -243,7 +249,7 @@ def one_process_reference(settings: dict, batches: torch.Tensor) -> tuple[list[f
     return step_losses, model
 
 
-def test_fsdp2_trains_block_and_full_like_one_process(datasets_cache, free_port, tmp_path):
+def test_fsdp2_trains_every_rule_like_one_process(datasets_cache, free_port, tmp_path):
     script = tmp_path / "fsdp2_ranks.py"
     script.write_text(FSDP2_SCRIPT)
     cases = {"batch_per_rank": 2, "models": FSDP2_CASES}

@@ -9,6 +9,7 @@ from tiny import attnres_twin, tiny_source_config, tiny_source_model
 from tiny import random_ids as tiny_random_ids
 
 import attnres
+from attnres.auto import ATTNRES_MODULES
 
 random_ids = partial(tiny_random_ids, length=12)  # this file's sequence length
 
@@ -74,5 +75,41 @@ def test_lora_defaults_and_attnres_parameters_beside_it(tmp_path):
     reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter")
     trained_query = reloaded.base_model.model.model.layers[1].mlp_res_proj.modules_to_save["default"].weight
     assert (trained_query - untrained_query).abs().max().item() > 1e-3  # the pseudo-query trained, and came back
+    with torch.no_grad():
+        assert (reloaded(ids).logits - trained).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("rule", ["rezero", "layerscale", "highway", "denseformer", "mhc"])
+def test_every_rule_trains_beside_lora_and_comes_back_with_the_adapter(rule, tmp_path):
+    """As `attnres train --lora` sets it up (every rule's modules in `modules_to_save`): the rule's own parameters
+    train beside LoRA, save with the adapter and come back onto a fresh model with the trained logits."""
+
+    def model_of_rule() -> attnres.AttnResForCausalLM:
+        text_config = tiny_source_model("llama", num_layers=3).config.to_dict()
+        torch.manual_seed(0)
+        return attnres.AttnResForCausalLM(attnres.AttnResConfig(text_config=text_config, attnres_mode=rule))
+
+    peft_model = get_peft_model(model_of_rule(), LoraConfig(r=4, modules_to_save=ATTNRES_MODULES))
+    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
+    assert any("_res_" in name for name in trainable) and any("lora_A" in name for name in trainable)
+    ids = random_ids()
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        peft_model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        trained = peft_model(ids).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    fresh = model_of_rule()
+    initial = {name: p.detach().clone() for name, p in fresh.named_parameters() if "_res_" in name}
+    reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter")
+    came_back = {
+        name.replace(".modules_to_save.default", ""): p
+        for name, p in reloaded.base_model.model.named_parameters()
+        if "_res_" in name and "modules_to_save" in name
+    }
+    assert came_back.keys() == initial.keys()
+    assert max((came_back[name] - initial[name]).abs().max().item() for name in initial) > 1e-3
     with torch.no_grad():
         assert (reloaded(ids).logits - trained).abs().max().item() <= 1e-5
