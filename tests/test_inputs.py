@@ -486,7 +486,7 @@ def test_analyze_and_eval_refuse_an_earlier_output_and_replace_it_whole(command,
     expected = (
         ["results_attnres.json", "summary.md"]
         if command == "eval"
-        else ["analysis.json", "depth_weights.png", "gradients.png", "magnitudes.png"]
+        else ["analysis.json", "depth_weights.png", "gradients.png", "magnitudes.png", "mixing_matrices.png"]
     )
     assert sorted(files(output)) == expected and sorted(path.name for path in tmp_path.iterdir()) == ["out"]
 
