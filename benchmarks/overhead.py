@@ -334,7 +334,7 @@ def saved_memory_ratio(
     )  # fmt: skip
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(config)
-    twin = convert_to_attnres(copy.deepcopy(source), mode=mode)
+    twin = attnres_twin(copy.deepcopy(source), mode)
     twin.config.attnres_recompute = setting == "attnres_recompute"
     dtype, autocast = PRECISIONS[precision]
     ids = torch.randint(0, config.vocab_size, tokens, generator=torch.Generator().manual_seed(0)).to(device)
@@ -348,8 +348,10 @@ def saved_memory_ratio(
     return measured[0] / measured[1]
 
 
-def saved_memory_table(setting: str, layers: tuple[int, ...] = (8, 32), device: str = "cpu") -> str:
-    columns = [(mode, n) for mode in ("block", "full") for n in layers]
+def saved_memory_table(
+    setting: str, modes: tuple[str, ...] = ("block", "full"), layers: tuple[int, ...] = (8, 32), device: str = "cpu"
+) -> str:
+    columns = [(mode, n) for mode in modes for n in layers]
     lines = [
         f"Saved activations, AttnRes / source, {setting}:",
         "| precision | " + " | ".join(f"{mode.capitalize()}, {n} layers" for mode, n in columns) + " |",
@@ -507,8 +509,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--saved-memory",
         action="store_true",
-        help="print only the saved-activation tables (plain, gradient checkpointing, attnres_recompute; 8 and 32 "
-        "layers; bf16, fp32 under bf16 autocast, fp32): deterministic bytes, minutes on a CPU",
+        help="print only the saved-activation tables (plain, gradient checkpointing, attnres_recompute; --modes at 8 "
+        "and 32 layers; bf16, fp32 under bf16 autocast, fp32): deterministic bytes, minutes on a CPU",
     )
     parser.add_argument(
         "--compile-time",
@@ -545,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     if args.saved_memory:
         for setting in MEMORY_SETTINGS:
-            print(saved_memory_table(setting, device=args.device) + "\n", flush=True)
+            print(saved_memory_table(setting, tuple(args.modes.split(",")), device=args.device) + "\n", flush=True)
         return
     if args.compile_time:
         rows = compile_time_rows(args)

@@ -38,7 +38,7 @@ from transformers import (
 
 from attnres import AttnResForCausalLM, conversion, sources, verification
 from attnres.cards import source_name
-from attnres.configuration_attnres import SUPPORTED_FAMILIES
+from attnres.configuration_attnres import RESIDUAL_RULES, SUPPORTED_FAMILIES
 from attnres.conversion import convert_to_attnres
 from attnres.sources import SourceError, default_model_path, load_source, load_source_tokenizer
 from attnres.verification import SAMPLE_TEXT, verify_conversion
@@ -542,6 +542,19 @@ def test_smollm2_bfloat16_conversion_adds_no_rounding_error(smollm2):
     assert model.dtype == torch.bfloat16
     assert report.mean_abs_logit_diff <= report.source_mean_abs_logit_diff
     assert report.passed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", [name for name, rule in RESIDUAL_RULES.items() if rule.converts is None])
+def test_smollm2_converts_to_every_exact_rule_within_its_noise(rule, smollm2):
+    """Every rule that can start as the source converts the real SmolLM2 within 4x its own sdpa-vs-eager float noise,
+    with the same mean NLL and the same greedy tokens."""
+    source, tokenizer = smollm2
+    model = convert_to_attnres(copy.deepcopy(source), mode=rule)
+    report = verify_conversion(source, model, tokenizer, max_tokens=256, new_tokens=8)
+    print(f"{rule}: {report.format()}")
+    assert model.config.attnres_mode == rule and report.passed
+    assert abs(report.converted_nll - report.source_nll) <= 1e-5
 
 
 # Converts a checkpoint and reports the verification figures and this process's peak resident memory, after its imports
