@@ -223,6 +223,12 @@ def _record_outputs(modules: list[nn.Module]) -> tuple[list, list]:
     return outputs, handles
 
 
+def plain_coefficients(model, input_ids, run) -> tuple[list[StreamCoefficients], torch.Tensor]:
+    """PreNorm: h <- h + f, every coefficient 1."""
+    ones = torch.ones(*input_ids.shape, 1)
+    return [StreamCoefficients(ones, ones.unsqueeze(-1), ones)] * 2 * model.config.num_hidden_layers, ones
+
+
 def scaled_output_coefficients(model, input_ids, run) -> tuple[list[StreamCoefficients], torch.Tensor]:
     """ReZero and LayerScale: h <- h + s f; LayerScale's per-channel s enters M as its mean over channels."""
     ones = torch.ones(*input_ids.shape, 1)
@@ -285,7 +291,7 @@ def hyper_connection_coefficients(model, input_ids, run) -> tuple[list[StreamCoe
 
 
 RECURRENCES = {
-    "prenorm": None,  # every coefficient 1
+    "prenorm": plain_coefficients,
     "rezero": scaled_output_coefficients,
     "layerscale": scaled_output_coefficients,
     "highway": highway_coefficients,
@@ -314,11 +320,7 @@ def token_mixing_matrices(model: AttnResForCausalLM, input_ids: torch.Tensor) ->
         depth_weights = run().depth_weights
         rows = [spread_over_outputs(config, row, weights.float().cpu()) for row, weights in enumerate(depth_weights)]
         return torch.stack(rows, dim=-2)
-    if RECURRENCES[mode] is None:
-        ones = torch.ones(*input_ids.shape, 1)
-        steps, output_read = [StreamCoefficients(ones, ones.unsqueeze(-1), ones)] * 2 * config.num_hidden_layers, ones
-    else:
-        steps, output_read = RECURRENCES[mode](model, input_ids, run)
+    steps, output_read = RECURRENCES[mode](model, input_ids, run)
     steps = [StreamCoefficients(*(t.float().cpu() for t in (s.read, s.carry, s.write))) for s in steps]
     return recurrence_rows(steps, output_read.float().cpu())
 

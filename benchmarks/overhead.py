@@ -204,13 +204,19 @@ class OperationCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def decode_operations(model: torch.nn.Module, prompt: torch.Tensor) -> int:
-    """aten operations of one eager greedy decode step (one token, on the KV cache of `prompt`)."""
+def counted_decode_step(model: torch.nn.Module, prompt: torch.Tensor, counter: TorchDispatchMode) -> None:
+    """One eager greedy decode step (one token, on the KV cache of `prompt`) with `counter` seeing its operations."""
     with torch.no_grad():
         prefill = model(prompt, use_cache=True)
         next_token = prefill.logits[:, -1:].argmax(-1)
-        with OperationCounter() as counter:
+        with counter:
             model(next_token, use_cache=True, **{CACHE_NAME: getattr(prefill, CACHE_NAME)})
+
+
+def decode_operations(model: torch.nn.Module, prompt: torch.Tensor) -> int:
+    """aten operations of one eager greedy decode step."""
+    counter = OperationCounter()
+    counted_decode_step(model, prompt, counter)
     return counter.count
 
 
@@ -229,13 +235,9 @@ class TrafficCounter(TorchDispatchMode):
 
 
 def decode_traffic(model: torch.nn.Module, prompt: torch.Tensor) -> int:
-    """Activation bytes read and written by one eager greedy decode step (one token on the KV cache of `prompt`)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.no_grad():
-        prefill = model(prompt, use_cache=True)
-        next_token = prefill.logits[:, -1:].argmax(-1)
-        with TrafficCounter(weights) as counter:
-            model(next_token, use_cache=True, **{CACHE_NAME: getattr(prefill, CACHE_NAME)})
+    """Activation bytes read and written by one eager greedy decode step."""
+    counter = TrafficCounter({p.untyped_storage().data_ptr() for p in model.parameters()})
+    counted_decode_step(model, prompt, counter)
     return counter.bytes
 
 

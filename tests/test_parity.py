@@ -52,6 +52,19 @@ def test_all_linear_lora_wraps_only_the_projections_and_merges_exactly():
     assert (adapted - merged).abs().max().item() <= 1e-5
 
 
+def train_and_save_adapter(peft_model, ids: torch.Tensor, folder) -> torch.Tensor:
+    """Two AdamW steps on `ids`, the adapter saved into `folder` -> the trained model's logits on `ids`."""
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        peft_model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        trained = peft_model(ids).logits
+    peft_model.save_pretrained(folder)
+    return trained
+
+
 def test_lora_defaults_and_attnres_parameters_beside_it(tmp_path):
     # Without target_modules PEFT uses its default for model_type "attnres"; the AttnRes parameters train beside LoRA
     # as modules_to_save and come back with the adapter.
@@ -62,14 +75,7 @@ def test_lora_defaults_and_attnres_parameters_beside_it(tmp_path):
     trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
     assert any("mlp_res_proj" in name for name in trainable) and any("lora_A" in name for name in trainable)
     ids = random_ids()
-    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(2):
-        peft_model(ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    with torch.no_grad():
-        trained = peft_model(ids).logits
-    peft_model.save_pretrained(tmp_path / "adapter")
+    trained = train_and_save_adapter(peft_model, ids, tmp_path / "adapter")
     fresh = attnres_twin(tiny_source_model("llama", num_layers=3), seed=4, attnres_block_size=1)
     untrained_query = fresh.model.layers[1].mlp_res_proj.weight.detach().clone()
     reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter")
@@ -93,14 +99,7 @@ def test_every_rule_trains_beside_lora_and_comes_back_with_the_adapter(rule, tmp
     trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
     assert any("_res_" in name for name in trainable) and any("lora_A" in name for name in trainable)
     ids = random_ids()
-    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(2):
-        peft_model(ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    with torch.no_grad():
-        trained = peft_model(ids).logits
-    peft_model.save_pretrained(tmp_path / "adapter")
+    trained = train_and_save_adapter(peft_model, ids, tmp_path / "adapter")
     fresh = model_of_rule()
     initial = {name: p.detach().clone() for name, p in fresh.named_parameters() if "_res_" in name}
     reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter")
