@@ -544,6 +544,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         source, gguf_file = resolve_source(args.baseline, args.baseline_gguf_file)
     check_tokenizer(args.model)  # its tokenizer encodes the text for both models: the baseline needs none
     inputs = {"the model": args.model, "the baseline": source, "the text": args.text, "the dataset": args.dataset}
+    inputs |= {f"--compare model {n}": folder for n, folder in enumerate(args.compare or (), start=1)}
     with output_lock(args.output, AnalysisError):  # two analyses into one folder would mix their files
         check_output_dir(args.output, AnalysisError, inputs, replace_fix(args.overwrite))
         # An AttnRes model loads with the installed classes, never its folder's copy of them; --trust-remote-code is

@@ -115,6 +115,10 @@ REFUSALS = {
         ["analyze", "../source", "--baseline", "../notok", "--output", "../notok/analysis"],
         "lies inside the baseline",
     ),
+    "analyze-onto-a-compared-model": (
+        ["analyze", "../source", "--compare", "../notok", "--output", "../notok", "--overwrite"],
+        "is --compare model 1",
+    ),
     "analyze-around-its-text": (
         ["analyze", "../source", "--text", "../texts/sample.txt", "--output", "../texts"],
         "contains the text",
