@@ -409,8 +409,9 @@ class AttnResConfig(PreTrainedConfig):
             by the other rules.
         attnres_query (`str`, defaults to `"pseudo"`):
             Block and Full AttnRes: what scores the sources. `"pseudo"`: the paper's learned pseudo-query w.
-            `"projected"` (ablation): an input-dependent query w + W RMSNorm(v) per token, v the latest source, W a
-            hidden_size x hidden_size matrix per sublayer, zero at init. `"scalars"` (ablation, input-independent
+            `"projected"` (ablation): an input-dependent query w + W RMSNorm(v) / hidden_size per token, v the latest
+            source, W a hidden_size x hidden_size matrix per sublayer, zero at init (the 1/hidden_size keeps its
+            logits moving at the pseudo-query's pace under Adam). `"scalars"` (ablation, input-independent
             mixing): a learned logit per source replaces query and key, zero at init.
         attnres_score (`str`, defaults to `"softmax"`):
             Block and Full AttnRes: `"softmax"` over the sources, or `"sigmoid"` (ablation) of each logit, not

@@ -373,6 +373,27 @@ def test_ablations_train_from_scratch(ablation, text_batches):
     assert after < before - 1.0
 
 
+def test_the_projected_query_trains_at_the_pseudo_query_s_pace(text_batches):
+    """An input-dependent query keeps a spread over depth as it trains and learns as fast as Full AttnRes. Measured
+    after 30 steps: depth-weight entropy 1.48 (Full 1.50) nats, held-out loss 3.223 (3.225); without the projection's
+    1/d the softmax went near one-hot (entropy 0.23) and the loss stalled (3.484)."""
+
+    def trained(**options) -> tuple[float, float]:
+        model = scratch_model("llama", "full", **options)
+        _, loss = held_out_losses_around_training(model, text_batches)
+        with torch.no_grad():
+            depth_weights = model(text_batches[1], output_depth_weights=True).depth_weights[1:]  # the first reads 1
+        entropy = torch.stack([-(weights * weights.clamp_min(1e-12).log()).sum(-1).mean() for weights in depth_weights])
+        return loss, entropy.mean().item()
+
+    full_loss, full_entropy = trained()
+    projected_loss, projected_entropy = trained(attnres_query="projected")
+    print(f"projected query: loss {projected_loss:.3f}, entropy {projected_entropy:.2f}; Full {full_loss:.3f}, "
+          f"{full_entropy:.2f}")  # fmt: skip
+    assert projected_entropy > 0.7 * full_entropy
+    assert projected_loss < full_loss + 0.1
+
+
 @pytest.mark.parametrize("family", family_params(FAMILIES))
 @pytest.mark.parametrize("ablation", EXACT_ABLATIONS)
 def test_ablations_convert_to_what_the_source_computes(ablation, family):
