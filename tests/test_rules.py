@@ -24,6 +24,7 @@ from tiny import (
 )
 
 import attnres
+from attnres.analysis import depth_weight_entropy
 from attnres.cards import describe_layout
 from attnres.configuration_attnres import RESIDUAL_RULES, AttnResConfigError
 from attnres.conversion import ConversionError, convert_to_attnres
@@ -382,9 +383,8 @@ def test_the_projected_query_trains_at_the_pseudo_query_s_pace(text_batches):
         model = scratch_model("llama", "full", **options)
         _, loss = held_out_losses_around_training(model, text_batches)
         with torch.no_grad():
-            depth_weights = model(text_batches[1], output_depth_weights=True).depth_weights[1:]  # the first reads 1
-        entropy = torch.stack([-(weights * weights.clamp_min(1e-12).log()).sum(-1).mean() for weights in depth_weights])
-        return loss, entropy.mean().item()
+            entropy = depth_weight_entropy(model(text_batches[1], output_depth_weights=True).depth_weights)
+        return loss, entropy[:, 1:].mean().item()  # the first sublayer reads one source
 
     full_loss, full_entropy = trained()
     projected_loss, projected_entropy = trained(attnres_query="projected")
