@@ -258,13 +258,29 @@ def depth_mix_reference(
 Blocks = torch.Tensor | tuple[torch.Tensor, ...]  # the completed blocks: stacked [B,T,n,d], or n x [B,T,d] as kept
 
 
-def stacked_unless_compiled(completed_blocks: tuple[torch.Tensor, ...]) -> Blocks:
-    """The completed blocks as the products of both phases read them best.
+# Above this many elements per block, a stack of the blocks costs more in copying than it saves in operations
+LARGEST_STACKED_BLOCK = 2**16
 
-    Eager, one stack [B,T,n,d] and one product per phase: few operations, which is what a decode step pays for.
-    Compiled, one product and one weighted sum per block, which the compiler fuses into kernels that read each block
-    in place, where a stack would copy them all for every sublayer (and run slower than eager)."""
-    return completed_blocks if torch.compiler.is_compiling() else torch.stack(completed_blocks, dim=-2)
+
+def stacks(blocks: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the mix reads `blocks` as one stack [B,T,n,d] rather than one by one.
+
+    Eager and small (decode, short prompts), one stack and one product per phase: few operations, which is what such a
+    step pays for. Larger, or compiled, one product and one weighted sum per block, which read each block in place
+    where a stack would copy them all for every sublayer (the compiler fuses them into kernels; eager, the copy costs
+    more than the extra operations)."""
+    return not torch.compiler.is_compiling() and blocks[0].numel() <= LARGEST_STACKED_BLOCK
+
+
+def stacked_if_small(blocks: tuple[torch.Tensor, ...]) -> Blocks:
+    """The blocks as the products of both phases read them best (see `stacks`)."""
+    return torch.stack(blocks, dim=-2) if stacks(blocks) else blocks
+
+
+def reads_copies(blocks: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the mix over `blocks` makes copies of them that autograd would keep: a stack, or fp32 copies of
+    narrower blocks for the logits."""
+    return stacks(blocks) or any(block.dtype != fp32_or_wider(block.dtype) for block in blocks)
 
 
 def folded_queries(query: torch.Tensor, key_gain: torch.Tensor | None, heads: int) -> torch.Tensor:
@@ -294,9 +310,11 @@ def read_sources(weights: torch.Tensor, sources: Blocks) -> torch.Tensor:
     if isinstance(sources, torch.Tensor):  # stacked [B,T,S,d]
         grouped = sources.unflatten(-1, (heads, -1)).transpose(-3, -2)  # [B,T,H,S,d/H]
         return (weights.mT.unsqueeze(-2).to(sources.dtype) @ grouped).flatten(-3)
-    mixed = sum(
-        weights[..., i, :, None] * upcast(source).unflatten(-1, (heads, -1)) for i, source in enumerate(sources)
-    )
+    # One multiply-add per block; mixed dtypes promote inside the op, so a narrower block is read, and kept, as it is
+    first, *rest = (source.unflatten(-1, (heads, -1)) for source in sources)  # [B,T,H,d/H] each
+    mixed = weights[..., 0, :, None] * first  # [B,T,H,d/H] fp32
+    for i, source in enumerate(rest, start=1):
+        mixed = torch.addcmul(mixed, weights[..., i, :, None], source)
     return mixed.flatten(-2).to(sources[0].dtype)
 
 
@@ -319,7 +337,7 @@ def merge_partial_sum(
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
     value_weights = weights * exact_start_scale(weights.shape[-2]) if scale_by_num_sources else weights
     sources = blocks + (() if partial_sum is None else (partial_sum,))
-    return read_sources(value_weights, stacked_unless_compiled(sources)), weights.mean(-1)
+    return read_sources(value_weights, stacked_if_small(sources)), weights.mean(-1)
 
 
 def depth_mix_two_phase(
@@ -343,7 +361,7 @@ def depth_mix_two_phase(
             inv_rms = depth.completed_inv_rms if options.key_norm else None
             logits = block_logits
             if logits is None:
-                logits = completed_logits(stacked_unless_compiled(depth.completed_blocks), inv_rms, queries)
+                logits = completed_logits(stacked_if_small(depth.completed_blocks), inv_rms, queries)
             if depth.partial_sum is not None:
                 partial_inv_rms = (
                     inverse_rms(depth.partial_sum, options.eps).unsqueeze(-1) if options.key_norm else None
@@ -352,14 +370,19 @@ def depth_mix_two_phase(
         return merge_partial_sum(logits, depth.completed_blocks, depth.partial_sum, options.score, scale_by_num_sources)
 
 
-def recomputed(function: Callable[..., tuple | torch.Tensor], *inputs: torch.Tensor | None) -> tuple | torch.Tensor:
-    """`function(*inputs)`, whose intermediates autograd does not keep but recomputes in the backward pass.
+def recomputed(
+    function: Callable[..., tuple | torch.Tensor], *inputs: torch.Tensor | None, keeps_copies: bool = True
+) -> tuple | torch.Tensor:
+    """`function(*inputs)`, whose intermediates autograd does not keep but recomputes in the backward pass, where it
+    `keeps_copies`: intermediates of the size of its inputs.
 
     The depth mix is cheap to run and costly to keep: its stacked blocks [B,T,n,d] (in fp32 for the logits), kept for
     every sublayer, would outweigh the layer itself. A non-reentrant checkpoint keeps only the inputs, which are the
-    depth state the layers share anyway; it nests under gradient checkpointing and compiles as one region.
+    depth state the layers share anyway; it nests under gradient checkpointing and compiles as one region. A mix that
+    reads its inputs in place keeps little more than they are, and runs once: recomputing it would cost time for no
+    memory.
     """
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and keeps_copies:
         return checkpoint(function, *inputs, use_reentrant=False)
     return function(*inputs)
 
@@ -387,9 +410,15 @@ def score_completed_blocks(depth: DepthState, options: DepthAttention, *heads: t
     def score(queries, completed_inv_rms, *completed_blocks):
         with fp32_region(completed_inv_rms):
             inv_rms = completed_inv_rms if options.key_norm else None
-            return completed_logits(stacked_unless_compiled(completed_blocks), inv_rms, queries)
+            return completed_logits(stacked_if_small(completed_blocks), inv_rms, queries)
 
-    logits = recomputed(score, queries, depth.completed_inv_rms, *depth.completed_blocks)  # [B,T,n,q*H]
+    logits = recomputed(
+        score,
+        queries,
+        depth.completed_inv_rms,
+        *depth.completed_blocks,
+        keeps_copies=reads_copies(depth.completed_blocks),
+    )  # [B,T,n,q*H]
     # Sliced, not split: torch's lazy tensors (a second device in the device-map tests) cannot cat split's views
     heads_count = options.heads
     return tuple(logits[..., i * heads_count : (i + 1) * heads_count] for i in range(len(heads)))
@@ -424,7 +453,9 @@ def depth_attention(
         return (input_norm(mixed) if recompute else mixed), weights
 
     depth_inputs = (depth.partial_sum, depth.completed_inv_rms, *depth.completed_blocks)
-    sublayer_input, weights = recomputed(mix, learned, block_logits, *depth_inputs)
+    # The reference stacks its sources, the projected query normalises the latest one: both make copies
+    keeps_copies = recompute or not two_phase or options.query == "projected" or reads_copies(depth.sources())
+    sublayer_input, weights = recomputed(mix, learned, block_logits, *depth_inputs, keeps_copies=keeps_copies)
     return (sublayer_input if recompute else input_norm(sublayer_input)), weights
 
 
