@@ -494,7 +494,8 @@ class HighwayGate(nn.Module):
     def forward(self, stream: torch.Tensor) -> torch.Tensor:
         """[B,T,d] -> g [B,T,1] in the stream's dtype"""
         with fp32_region(stream):
-            logit = (upcast(stream) @ upcast(self.weight)) * inverse_rms(stream, self.eps) + upcast(self.bias)
+            # A product and a sum, not a matmul of an fp32 copy: autograd then keeps the stream as it is, not the copy
+            logit = (stream * upcast(self.weight)).sum(-1) * inverse_rms(stream, self.eps) + upcast(self.bias)
         return torch.sigmoid(logit).unsqueeze(-1).to(stream.dtype)
 
 
@@ -756,7 +757,9 @@ class HighwayRule(DepthRule):
     def write(self, depth, output, head, norm):
         (gate,) = head
         stream = depth.partial_sum
-        return DepthState(depth.completed_blocks, depth.completed_inv_rms, torch.lerp(stream, output, gate(stream)))
+        # Under autocast the output is narrower than the stream, and lerp takes one dtype: the stream's, as an add would
+        mixed = torch.lerp(stream, output.to(stream.dtype), gate(stream))
+        return DepthState(depth.completed_blocks, depth.completed_inv_rms, mixed)
 
 
 class DenseFormerRule(DepthRule):
