@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 class AttnResPseudoQuery(nn.Module):
     """The pseudo-query w of one sublayer (paper Eq. 3), zero at init (uniform depth weights).
 
-    Calling the module returns w [d], so that hooks which place or gather parameters on a module call (Accelerate
+    Calling the module returns w [1,d], so that hooks which place or gather parameters on a module call (Accelerate
     offload, FSDP2, DeepSpeed ZeRO-3) see it read. Not an `nn.Linear`: the score is not w applied to one input, and
     adapters for linear layers (PEFT's "all-linear") must not wrap it.
     """
@@ -42,7 +42,7 @@ class AttnResPseudoQuery(nn.Module):
         self.weight = nn.Parameter(torch.zeros(1, hidden_size))
 
     def forward(self) -> torch.Tensor:
-        return self.weight[0]
+        return self.weight
 
 
 class AttnResQueryProjection(nn.Module):
@@ -140,7 +140,7 @@ class DepthAttention:
 class DepthParameters(NamedTuple):
     """What one sublayer's depth attention learns, read from its head; None where `DepthAttention` has no such part."""
 
-    pseudo_query: torch.Tensor | None = None  # w [d]
+    pseudo_query: torch.Tensor | None = None  # w [1,d]
     query_projection: torch.Tensor | None = None  # W [d,d]
     key_gain: torch.Tensor | None = None  # g [d]
     source_logits: torch.Tensor | None = None  # [S]
@@ -224,12 +224,18 @@ class DepthState(NamedTuple):
 def sublayer_query(depth: DepthState, learned: DepthParameters, eps: float) -> torch.Tensor:
     """The query: w [1,d], or, with a projection, w + W RMSNorm(v) / d per token [B,T,1,d] from the latest source v
     (1/d: see `AttnResQueryProjection`). fp32"""
-    query = upcast(learned.pseudo_query).unsqueeze(0)
+    query = upcast(learned.pseudo_query)
     if learned.query_projection is None:
         return query
     latest = depth.sources()[-1]  # [B,T,d]
     normalized = upcast(latest) * inverse_rms(latest, eps).unsqueeze(-1)
     return (query + normalized @ upcast(learned.query_projection).T / latest.shape[-1]).unsqueeze(-2)
+
+
+def mean_over_groups(weights: torch.Tensor) -> torch.Tensor:
+    """[B,T,S,H] -> [B,T,S], the depth weights a sublayer reports; a single group is its own mean, without the
+    reduction a decode step would pay for."""
+    return weights.squeeze(-1) if weights.shape[-1] == 1 else weights.mean(-1)
 
 
 def depth_mix_reference(
@@ -252,7 +258,7 @@ def depth_mix_reference(
         weights = weigh(logits)  # [B,T,S,H]
         value_weights = weights * exact_start_scale(sources.shape[-2]) if scale_by_num_sources else weights
         mixed = (value_weights.unsqueeze(-1) * values.unflatten(-1, (options.heads, -1))).sum(-3)  # [B,T,H,d/H]
-    return mixed.flatten(-2).to(sources.dtype), weights.mean(-1)
+    return mixed.flatten(-2).to(sources.dtype), mean_over_groups(weights)
 
 
 Blocks = torch.Tensor | tuple[torch.Tensor, ...]  # the completed blocks: stacked [B,T,n,d], or n x [B,T,d] as kept
@@ -299,7 +305,8 @@ def completed_logits(blocks: Blocks, completed_inv_rms: torch.Tensor | None, que
     if isinstance(blocks, torch.Tensor):  # stacked [B,T,n,d]
         logits = upcast(blocks) @ queries.mT
     else:
-        logits = torch.cat([upcast(block).unsqueeze(-2) @ queries.mT for block in blocks], dim=-2)
+        per_block = [upcast(block).unsqueeze(-2) @ queries.mT for block in blocks]  # n x [B,T,1,q]
+        logits = per_block[0] if len(per_block) == 1 else torch.cat(per_block, dim=-2)
     return logits if completed_inv_rms is None else logits * completed_inv_rms.unsqueeze(-1)
 
 
@@ -308,8 +315,10 @@ def read_sources(weights: torch.Tensor, sources: Blocks) -> torch.Tensor:
     sources' dtype"""
     heads = weights.shape[-1]
     if isinstance(sources, torch.Tensor):  # stacked [B,T,S,d]
-        grouped = sources.unflatten(-1, (heads, -1)).transpose(-3, -2)  # [B,T,H,S,d/H]
-        return (weights.mT.unsqueeze(-2).to(sources.dtype) @ grouped).flatten(-3)
+        # A product and a sum: fewer operations than a batched matmul of 5-d operands, and fp32 weights times narrower
+        # sources promote inside the product
+        grouped = sources.unflatten(-1, (heads, -1))  # [B,T,S,H,d/H]
+        return (weights.unsqueeze(-1) * grouped).sum(-3).flatten(-2).to(sources.dtype)
     # One multiply-add per block; mixed dtypes promote inside the op, so a narrower block is read, and kept, as it is
     first, *rest = (source.unflatten(-1, (heads, -1)) for source in sources)  # [B,T,H,d/H] each
     mixed = weights[..., 0, :, None] * first  # [B,T,H,d/H] fp32
@@ -337,7 +346,7 @@ def merge_partial_sum(
     # At zero queries softmax * S is exactly 1 per source (for the source counts AttnRes uses): the exact stream.
     value_weights = weights * exact_start_scale(weights.shape[-2]) if scale_by_num_sources else weights
     sources = blocks + (() if partial_sum is None else (partial_sum,))
-    return read_sources(value_weights, stacked_if_small(sources)), weights.mean(-1)
+    return read_sources(value_weights, stacked_if_small(sources)), mean_over_groups(weights)
 
 
 def depth_mix_two_phase(
