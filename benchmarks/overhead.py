@@ -9,6 +9,7 @@ decode uses the static cache with a compiled forward; the compile time (the firs
     python benchmarks/overhead.py --models tiny --worlds eager --json overhead.json
     python benchmarks/overhead.py --models tiny --modes all --worlds eager   # every residual rule
     python benchmarks/overhead.py --device cuda --dtype bfloat16
+    python benchmarks/overhead.py --device cuda --autocast off,bf16  # fp32 weights, and under bf16 autocast
     python benchmarks/overhead.py --saved-memory       # bytes kept for the backward pass: bf16, autocast, fp32
     python benchmarks/overhead.py --compile-time       # CPU seconds of the first compiled training step
 """
@@ -18,6 +19,7 @@ import contextlib
 import copy
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import platform
@@ -116,12 +118,19 @@ def in_world(model: torch.nn.Module, world: str) -> Callable:
     return torch.compile(model, fullgraph=True) if world == "compiled" else model
 
 
-def training_step(model: torch.nn.Module, ids: torch.Tensor, world: str) -> Callable:
+def in_precision(autocast: bool, device: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast around the forward pass (the backward runs in the dtypes the forward chose), or nothing."""
+    return torch.autocast(torch.device(device).type, torch.bfloat16) if autocast else contextlib.nullcontext()
+
+
+def training_step(model: torch.nn.Module, ids: torch.Tensor, world: str, autocast: bool = False) -> Callable:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     forward = in_world(model, world)
 
     def step():
-        forward(ids, labels=ids).loss.backward()
+        with in_precision(autocast, str(ids.device)):
+            loss = forward(ids, labels=ids).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -132,13 +141,13 @@ MEMORY_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {benchmarks_dir!r})
 import overhead
-name, mode, which, dtype, device, world = sys.argv[1:7]
+name, mode, which, dtype, device, world, autocast = sys.argv[1:8]
 model = overhead.source_model(name, overhead.DTYPES[dtype])
 if which == "attnres":
     model = overhead.attnres_twin(model, mode)  # takes over the source's tensors
 model = model.to(device).train()
 ids = torch.randint(0, model.config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0)).to(device)
-step = overhead.training_step(model, ids, world)
+step = overhead.training_step(model, ids, world, autocast == "bf16")
 step()  # the optimizer states exist from here on (and the compiled graphs)
 if device.startswith("cuda"):
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
@@ -160,10 +169,14 @@ def in_fresh_process(script: str, *args: str, **environment: str) -> list[str]:
     return result.stdout.splitlines()[-1].split()
 
 
-def training_peak_memory(name: str, mode: str, which: str, dtype: str, device: str, world: str) -> tuple[int, int]:
+def training_peak_memory(
+    name: str, mode: str, which: str, dtype: str, device: str, world: str, autocast: str
+) -> tuple[int, int]:
     """(resident bytes before a training step, peak during it), measured in a fresh process for one model."""
     # Large blocks go straight back to the OS when freed, so the peak of the second step is the step's own.
-    words = in_fresh_process(MEMORY_SCRIPT, name, mode, which, dtype, device, world, MALLOC_MMAP_THRESHOLD_="65536")
+    words = in_fresh_process(
+        MEMORY_SCRIPT, name, mode, which, dtype, device, world, autocast, MALLOC_MMAP_THRESHOLD_="65536"
+    )
     base, peak = map(int, words)
     return base, peak
 
@@ -254,39 +267,57 @@ def residual_traffic(source: torch.nn.Module, twin: torch.nn.Module, prompt: tor
 PAPER_TRAFFIC_D = {"prenorm": 3, "block": 5.5, "mhc": 34}  # the paper's analytical residual traffic per layer
 
 
-def benchmark_row(name: str, mode: str, world: str, args: argparse.Namespace) -> dict:
+def benchmark_row(name: str, mode: str, world: str, autocast: str, args: argparse.Namespace) -> dict:
+    """Every figure of one model, rule, world and precision (`autocast`: "off", or "bf16" around each forward)."""
     dtype, device = DTYPES[args.dtype], args.device
     source, twin = build_pair(name, mode, dtype, device)
     vocab = source.config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    row = {"model": name, "mode": mode, "world": world, "block_size": twin.config.attnres_block_size,
-           "num_layers": twin.config.num_hidden_layers, "output_sources": twin.config.num_sources()[-1]}  # fmt: skip
+    row = {"model": name, "mode": mode, "world": world, "dtype": args.dtype, "autocast": autocast,
+           "block_size": twin.config.attnres_block_size, "num_layers": twin.config.num_hidden_layers,
+           "output_sources": twin.config.num_sources()[-1]}  # fmt: skip
+    precision = functools.partial(in_precision, autocast == "bf16", device)
+
+    def in_inference(call: Callable) -> Callable:
+        def run():
+            with torch.no_grad(), precision():
+                return call()
+
+        return run
 
     prefill_ids = torch.randint(0, vocab, (1, 512), generator=generator).to(device)
     source_forward, twin_forward = in_world(source, world), in_world(twin, world)
-    with torch.no_grad():
-        row["prefill"] = interleaved_ratio(
-            lambda: source_forward(prefill_ids), lambda: twin_forward(prefill_ids), args.reps, args.warmup, device
-        )
+    row["prefill"] = interleaved_ratio(
+        in_inference(lambda: source_forward(prefill_ids)), in_inference(lambda: twin_forward(prefill_ids)),
+        args.reps, args.warmup, device,
+    )  # fmt: skip
 
     train_ids = torch.randint(0, vocab, (4, 256), generator=generator).to(device)
     source.train(), twin.train()
     row["train_step"] = interleaved_ratio(
-        training_step(source, train_ids, world), training_step(twin, train_ids, world), args.reps, args.warmup, device
-    )
+        training_step(source, train_ids, world, autocast == "bf16"),
+        training_step(twin, train_ids, world, autocast == "bf16"),
+        args.reps, args.warmup, device,
+    )  # fmt: skip
     source.eval(), twin.eval()
 
     prompt = torch.randint(0, vocab, (1, 64), generator=generator).to(device)
     row["decode_per_token"] = interleaved_ratio(
-        decode(source, prompt, world), decode(twin, prompt, world), max(3, args.reps // 2), args.warmup, device
-    )
+        in_inference(decode(source, prompt, world)), in_inference(decode(twin, prompt, world)),
+        max(3, args.reps // 2), args.warmup, device,
+    )  # fmt: skip
     for key in ("source_s", "attnres_s"):
         row["decode_per_token"][key] /= 64
-    row["decode_operations"] = {"source": decode_operations(source, prompt), "attnres": decode_operations(twin, prompt)}
-    row["residual_traffic"] = residual_traffic(source, twin, prompt)
+    with precision():
+        row["decode_operations"] = {
+            "source": decode_operations(source, prompt),
+            "attnres": decode_operations(twin, prompt),
+        }
+        row["residual_traffic"] = residual_traffic(source, twin, prompt)
 
     memory = {
-        which: training_peak_memory(name, mode, which, args.dtype, device, world) for which in ("source", "attnres")
+        which: training_peak_memory(name, mode, which, args.dtype, device, world, autocast)
+        for which in ("source", "attnres")
     }
     (source_base, source_peak), (twin_base, twin_peak) = memory["source"], memory["attnres"]
     row["train_peak_memory"] = {
@@ -461,16 +492,17 @@ def environment(args: argparse.Namespace) -> dict:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| model | mode | blocks of | world | prefill | training step | decode / token "
+        "| model | mode | blocks of | world | precision | prefill | training step | decode / token "
         "| decode ops / token (source / AttnRes) | residual traffic / token / layer (eager; paper) "
         "| train peak memory (process) "
         "| train step memory (above weights + optimizer) | compile s (source / AttnRes: prefill, train, decode) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         memory = row["train_peak_memory"]
         paper = f"{PAPER_TRAFFIC_D[row['mode']]}d" if row["mode"] in PAPER_TRAFFIC_D else "-"
         layout = block_layout(row)
+        precision = row["dtype"] + (" + bf16 autocast" if row["autocast"] == "bf16" else "")
         compile_times = "-"
         if row["world"] == "compiled":
             measures = ("prefill", "train_step", "decode_per_token")
@@ -478,7 +510,8 @@ def markdown_table(rows: list[dict]) -> str:
                 f"{row[m]['first_call_s']['source']:.0f} / {row[m]['first_call_s']['attnres']:.0f}" for m in measures
             )
         lines.append(
-            f"| {row['model']} | {row['mode']} | {layout} | {row['world']} | {row['prefill']['ratio']:.3f} "
+            f"| {row['model']} | {row['mode']} | {layout} | {row['world']} | {precision} "
+            f"| {row['prefill']['ratio']:.3f} "
             f"| {row['train_step']['ratio']:.3f} | {row['decode_per_token']['ratio']:.3f} "
             f"| {row['decode_operations']['source']} / {row['decode_operations']['attnres']} "
             f"| {row['residual_traffic']['total_d']:.1f}d ({paper}) "
@@ -487,7 +520,12 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-LIST_CHOICES = {"models": ("smollm2", "tiny"), "modes": tuple(RESIDUAL_RULES), "worlds": ("eager", "compiled")}
+LIST_CHOICES = {
+    "models": ("smollm2", "tiny"),
+    "modes": tuple(RESIDUAL_RULES),
+    "worlds": ("eager", "compiled"),
+    "autocast": ("off", "bf16"),
+}
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -505,7 +543,13 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--reps", type=int, default=7, help="measured pairs per figure (at least 5)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the weights' dtype")
+    parser.add_argument(
+        "--autocast",
+        default="off",
+        help="comma-separated: off (the weights' dtype throughout), bf16 (each forward under bf16 autocast, as mixed "
+        "precision training runs; on a CPU without bf16 matrix units its matmuls are slow and dilute the ratios)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument(
@@ -562,8 +606,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models.split(","):
         for mode in args.modes.split(","):
             for world in args.worlds.split(","):
-                print(f"measuring {name} / {mode} / {world} ...", file=sys.stderr, flush=True)
-                rows.append(benchmark_row(name, mode, world, args))
+                for autocast in args.autocast.split(","):
+                    print(f"measuring {name} / {mode} / {world} / autocast {autocast} ...", file=sys.stderr, flush=True)
+                    rows.append(benchmark_row(name, mode, world, autocast, args))
     result = {"environment": environment(args), "rows": rows}
     print(json.dumps(result["environment"]))
     print(markdown_table(rows))

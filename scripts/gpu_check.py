@@ -25,6 +25,7 @@ code paths are the real ones. The test suite runs it.
 """
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -105,26 +106,28 @@ def stage_memory(work: Path, dry_run: bool) -> list[tuple]:
 def stage_overhead(work: Path, dry_run: bool) -> list[tuple]:
     import overhead
 
-    args = argparse.Namespace(device=device_of(dry_run), dtype="float32" if dry_run else "bfloat16")
+    args = argparse.Namespace(device=device_of(dry_run))
     args.reps, args.warmup = (5, 1) if dry_run else (7, 2)
     model, modes, worlds = ("tiny", ("block",), ("eager",)) if dry_run else ("smollm2", MODES, ("eager", "compiled"))
+    # (weights, autocast): bf16 weights, and fp32 weights under bf16 autocast as mixed-precision training runs
+    precisions = (("float32", "off"),) if dry_run else (("bfloat16", "off"), ("float32", "bf16"))
     rows = []
-    for mode in modes:
-        for world in worlds:
-            measured = overhead.benchmark_row(model, mode, world, args)
-            figures = ", ".join(
-                f"{name} {measured[key]['ratio']:.3f}x"
-                for name, key in (("prefill", "prefill"), ("train", "train_step"), ("decode", "decode_per_token"),
-                                  ("peak memory", "train_peak_memory"))
-            )  # fmt: skip
-            if world == "compiled":
-                first_calls = {
-                    key: measured[key]["first_call_s"] for key in ("prefill", "train_step", "decode_per_token")
-                }
-                figures += "; compile s (source / AttnRes): " + ", ".join(
-                    f"{key} {seconds['source']:.0f} / {seconds['attnres']:.0f}" for key, seconds in first_calls.items()
-                )
-            rows.append((f"{model} {mode}, {args.dtype}", world, figures, "Block target <= 1.03 / 1.05 / 1.05 / 1.05"))
+    for mode, world, (args.dtype, autocast) in itertools.product(modes, worlds, precisions):
+        measured = overhead.benchmark_row(model, mode, world, autocast, args)
+        figures = ", ".join(
+            f"{name} {measured[key]['ratio']:.3f}x"
+            for name, key in (("prefill", "prefill"), ("train", "train_step"), ("decode", "decode_per_token"),
+                              ("peak memory", "train_peak_memory"))
+        )  # fmt: skip
+        operations = measured["decode_operations"]
+        figures += f", decode ops / token {operations['source']} / {operations['attnres']}"
+        if world == "compiled":
+            first_calls = {key: measured[key]["first_call_s"] for key in ("prefill", "train_step", "decode_per_token")}
+            figures += "; compile s (source / AttnRes): " + ", ".join(
+                f"{key} {seconds['source']:.0f} / {seconds['attnres']:.0f}" for key, seconds in first_calls.items()
+            )
+        precision = args.dtype + (" + bf16 autocast" if autocast == "bf16" else "")
+        rows.append((f"{model} {mode}, {precision}", world, figures, "Block target <= 1.03 / 1.05 / 1.05 / 1.05"))
     return rows
 
 
