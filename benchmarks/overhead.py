@@ -123,6 +123,11 @@ def in_precision(autocast: bool, device: str) -> contextlib.AbstractContextManag
     return torch.autocast(torch.device(device).type, torch.bfloat16) if autocast else contextlib.nullcontext()
 
 
+def precision_label(dtype: str, autocast: str) -> str:
+    """How a row's figures were computed: the weights' dtype, and whether each forward ran under bf16 autocast."""
+    return dtype + (" + bf16 autocast" if autocast == "bf16" else "")
+
+
 def training_step(model: torch.nn.Module, ids: torch.Tensor, world: str, autocast: bool = False) -> Callable:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     forward = in_world(model, world)
@@ -276,7 +281,8 @@ def benchmark_row(name: str, mode: str, world: str, autocast: str, args: argpars
     row = {"model": name, "mode": mode, "world": world, "dtype": args.dtype, "autocast": autocast,
            "block_size": twin.config.attnres_block_size, "num_layers": twin.config.num_hidden_layers,
            "output_sources": twin.config.num_sources()[-1]}  # fmt: skip
-    precision = functools.partial(in_precision, autocast == "bf16", device)
+    bf16_autocast = autocast == "bf16"
+    precision = functools.partial(in_precision, bf16_autocast, device)
 
     def in_inference(call: Callable) -> Callable:
         def run():
@@ -295,8 +301,8 @@ def benchmark_row(name: str, mode: str, world: str, autocast: str, args: argpars
     train_ids = torch.randint(0, vocab, (4, 256), generator=generator).to(device)
     source.train(), twin.train()
     row["train_step"] = interleaved_ratio(
-        training_step(source, train_ids, world, autocast == "bf16"),
-        training_step(twin, train_ids, world, autocast == "bf16"),
+        training_step(source, train_ids, world, bf16_autocast),
+        training_step(twin, train_ids, world, bf16_autocast),
         args.reps, args.warmup, device,
     )  # fmt: skip
     source.eval(), twin.eval()
@@ -502,7 +508,7 @@ def markdown_table(rows: list[dict]) -> str:
         memory = row["train_peak_memory"]
         paper = f"{PAPER_TRAFFIC_D[row['mode']]}d" if row["mode"] in PAPER_TRAFFIC_D else "-"
         layout = block_layout(row)
-        precision = row["dtype"] + (" + bf16 autocast" if row["autocast"] == "bf16" else "")
+        precision = precision_label(row["dtype"], row["autocast"])
         compile_times = "-"
         if row["world"] == "compiled":
             measures = ("prefill", "train_step", "decode_per_token")

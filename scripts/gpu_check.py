@@ -126,7 +126,7 @@ def stage_overhead(work: Path, dry_run: bool) -> list[tuple]:
             figures += "; compile s (source / AttnRes): " + ", ".join(
                 f"{key} {seconds['source']:.0f} / {seconds['attnres']:.0f}" for key, seconds in first_calls.items()
             )
-        precision = args.dtype + (" + bf16 autocast" if autocast == "bf16" else "")
+        precision = overhead.precision_label(args.dtype, autocast)
         rows.append((f"{model} {mode}, {precision}", world, figures, "Block target <= 1.03 / 1.05 / 1.05 / 1.05"))
     return rows
 
