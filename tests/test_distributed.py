@@ -168,28 +168,35 @@ def assert_trains_like_one_process(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# FSDP2: the units the training command makes, every rule, with and without activation checkpointing
+# FSDP2 and ZeRO-3: every rule, with and without activation checkpointing (FSDP2: the units the training command makes)
 # --------------------------------------------------------------------------------------------------------------------
 
-FSDP2_SCRIPT = """
+ENGINE_SCRIPT = """
 import json, sys
 from pathlib import Path
 import torch
 from tiny import VOCAB, attnres_twin, tiny_source_model
 from torch.distributed.fsdp import FSDPModule
 from attnres.training import TrainingConfig
-from attnres.training.engine import make_accelerator, unsharded_twin
+from attnres.training.engine import distribution, make_accelerator, unsharded_twin
 from attnres.training.recipe import make_optimizer
 
 cases, output_dir = json.loads(sys.argv[1]), Path(sys.argv[2])
+# Built whole before the Accelerator exists: under its ZeRO-3 state transformers would build the source partitioned
+models = {
+    name: attnres_twin(tiny_source_model("llama", num_layers=4), seed=1, **settings["attnres"]).train()
+    for name, settings in cases["models"].items()
+}
 config = TrainingConfig(output_dir=str(output_dir), mixed_precision="no")
-accelerator = make_accelerator(config)  # as `attnres train` makes it: FSDP2 over gloo
+accelerator = make_accelerator(config)  # as `attnres train` makes it: FSDP2 or DeepSpeed over gloo
 rank, per_rank = accelerator.process_index, cases["batch_per_rank"]
+if accelerator.state.deepspeed_plugin is not None:  # no data loader is prepared to fill in "auto"
+    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_rank
 shape = (3, accelerator.num_processes * per_rank, 16)  # steps, sequences, tokens
 batches = torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(0))
 results = {"engine": accelerator.distributed_type.value, "world_size": accelerator.num_processes}
 for name, settings in cases["models"].items():
-    model = attnres_twin(tiny_source_model("llama", num_layers=4), seed=1, **settings["attnres"]).train()
+    model = models[name]
     if settings["activation_checkpointing"]:
         model.activation_checkpointing_enable()
     optimizer = make_optimizer(model, config)
@@ -204,19 +211,22 @@ for name, settings in cases["models"].items():
         optimizer.zero_grad()
         step_losses.append(accelerator.reduce(loss.detach(), "mean").item())
     units = [name or "<root>" for name, module in model.named_modules() if isinstance(module, FSDPModule)]
-    held = sum(parameter.to_local().numel() for parameter in model.parameters())
-    share = held / sum(parameter.numel() for parameter in model.parameters())
-    state_dict = accelerator.get_state_dict(model)
+    share = distribution(accelerator, model)["parameter_share"]
+    state_dict = accelerator.get_state_dict(model)  # whole on the main process
+    unwrapped = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
-        unsharded_twin(accelerator.unwrap_model(model), state_dict).save_pretrained(output_dir / name)
-    checkpointed = all(layer.gradient_checkpointing for layer in accelerator.unwrap_model(model).model.layers)
+        if isinstance(unwrapped, FSDPModule):
+            unsharded_twin(unwrapped, state_dict).save_pretrained(output_dir / name)
+        else:
+            unwrapped.save_pretrained(output_dir / name, state_dict=state_dict)
+    checkpointed = all(layer.gradient_checkpointing for layer in unwrapped.model.layers)
     results[name] = {"losses": step_losses, "units": units, "share": share, "checkpointed": checkpointed}
     accelerator.free_memory()  # forget this model: the Accelerator holds one at a time, as in `attnres train`
 if accelerator.is_main_process:
     (output_dir / "results.json").write_text(json.dumps(results))
 accelerator.wait_for_everyone()
 """
-FSDP2_CASES = {
+ENGINE_CASES = {
     "block": {"attnres": {"attnres_block_size": 2}, "activation_checkpointing": False},
     "block-checkpointed": {"attnres": {"attnres_block_size": 2}, "activation_checkpointing": True},
     "full": {"attnres": {"attnres_mode": "full"}, "activation_checkpointing": False},
@@ -231,6 +241,17 @@ FSDP2_CASES = {
     "highway": {"attnres": {"attnres_mode": "highway"}, "activation_checkpointing": False},
     "layerscale": {"attnres": {"attnres_mode": "layerscale"}, "activation_checkpointing": False},
     "denseformer-checkpointed": {"attnres": {"attnres_mode": "denseformer"}, "activation_checkpointing": True},
+    "rezero": {"attnres": {"attnres_mode": "rezero"}, "activation_checkpointing": False},
+    "postnorm": {"attnres": {"attnres_mode": "postnorm"}, "activation_checkpointing": False},
+    # Table 4's ablations: a [d, d] query projection over two channel groups; a logit per source with sigmoid scores
+    "block-projected-checkpointed": {
+        "attnres": {"attnres_block_size": 2, "attnres_query": "projected", "attnres_depth_heads": 2},
+        "activation_checkpointing": True,
+    },
+    "full-scalars-sigmoid": {
+        "attnres": {"attnres_mode": "full", "attnres_query": "scalars", "attnres_score": "sigmoid"},
+        "activation_checkpointing": False,
+    },
 }
 
 
@@ -249,41 +270,51 @@ def one_process_reference(settings: dict, batches: torch.Tensor) -> tuple[list[f
     return step_losses, model
 
 
-def test_fsdp2_trains_every_rule_like_one_process(datasets_cache, free_port, tmp_path):
-    script = tmp_path / "fsdp2_ranks.py"
-    script.write_text(FSDP2_SCRIPT)
-    cases = {"batch_per_rank": 2, "models": FSDP2_CASES}
+@pytest.mark.parametrize("engine", ["FSDP", pytest.param("DEEPSPEED", marks=NEEDS_DEEPSPEED)])
+def test_sharding_engine_trains_every_rule_like_one_process(engine, datasets_cache, free_port, tmp_path):
+    """FSDP2 and ZeRO-3 with every parameter partitioned (mHC's [24, 4d] projections, gates and scales of one element,
+    the projected query's [d, d] matrix): gathered for each layer's forward and its recomputation, 3 steps equal to
+    one process's."""
+    script = tmp_path / "engine_ranks.py"
+    script.write_text(ENGINE_SCRIPT)
+    cases = {"batch_per_rank": 2, "models": ENGINE_CASES}
     tests_folder = str(Path(__file__).parent)
+    if engine == "FSDP":
+        config_file, placement = EXAMPLES / "fsdp2.yaml", {"ACCELERATE_USE_CPU": "1"}
+    else:  # the script builds its models whole; DeepSpeed partitions them (the test of the training command below
+        # builds its model partitioned, with zero3_init_flag)
+        config_file, placement = zero3_accelerate_config(tmp_path, init_flag=False), {}
     launch(
-        EXAMPLES / "fsdp2.yaml",
+        config_file,
         [str(script), json.dumps(cases), str(tmp_path)],
         datasets_cache,
         free_port,
-        ACCELERATE_USE_CPU="1",
         PYTHONPATH=os.pathsep.join([tests_folder, os.environ.get("PYTHONPATH", "")]),
+        **placement,
     )
     results = json.loads((tmp_path / "results.json").read_text())
-    assert (results["engine"], results["world_size"]) == ("FSDP", RANKS)
+    assert (results["engine"], results["world_size"]) == (engine, RANKS)
 
     batches = torch.randint(3, VOCAB, (3, RANKS * 2, 16), generator=torch.Generator().manual_seed(0))
-    for name, settings in FSDP2_CASES.items():
+    for name, settings in ENGINE_CASES.items():
         result = results[name]
-        # One unit per decoder layer; the final norm, (tied) embedding and LM head as one more; then the root
-        units = [
-            "<root>",
-            "model.embed_tokens",
-            *(f"model.layers.{index}" for index in range(4)),
-            "model.norm",
-            "lm_head",
-        ]
-        assert result["units"] == units
+        if engine == "FSDP":
+            # One unit per decoder layer; the final norm, (tied) embedding and LM head as one more; then the root
+            units = [
+                "<root>",
+                "model.embed_tokens",
+                *(f"model.layers.{index}" for index in range(4)),
+                "model.norm",
+                "lm_head",
+            ]
+            assert result["units"] == units
         assert 0.5 <= result["share"] < 0.51  # of the parameters, on rank 0
         assert result["checkpointed"] == settings["activation_checkpointing"]
         reference_losses, reference = one_process_reference(settings, batches)
         saved = AttnResForCausalLM.from_pretrained(tmp_path / name)
         weight_diff = max_weight_diff(dict(saved.named_parameters()), dict(reference.named_parameters()))
         print(
-            f"FSDP2 {name}: losses {result['losses']} vs one process {reference_losses}; "
+            f"{engine} {name}: losses {result['losses']} vs one process {reference_losses}; "
             f"max weight difference {weight_diff:.2e}; rank 0 holds {result['share']:.2%} of the parameters"
         )
         assert result["losses"] == pytest.approx(reference_losses, abs=LOSS_TOLERANCE)
@@ -353,6 +384,18 @@ ZERO3_EVERY_PARAMETER = {
 }
 
 
+def zero3_accelerate_config(folder: Path, init_flag: bool) -> Path:
+    """An Accelerate config for ZeRO-3 with every parameter partitioned; `init_flag`: built partitioned."""
+    deepspeed_config = folder / "zero3.json"
+    deepspeed_config.write_text(json.dumps(ZERO3_EVERY_PARAMETER))
+    accelerate_config = folder / "zero3.yaml"
+    accelerate_config.write_text(
+        "distributed_type: DEEPSPEED\nnum_machines: 1\nmachine_rank: 0\nuse_cpu: false\n"
+        f"deepspeed_config:\n  deepspeed_config_file: {deepspeed_config}\n  zero3_init_flag: {str(init_flag).lower()}\n"
+    )
+    return accelerate_config
+
+
 @NEEDS_DEEPSPEED
 def test_zero3_gathers_every_partitioned_attnres_parameter(
     checkpoint, corpus_file, single_process, datasets_cache, free_port, tmp_path
@@ -360,13 +403,7 @@ def test_zero3_gathers_every_partitioned_attnres_parameter(
     """Every pseudo-query and key norm is partitioned; a layer reads them as tensors, and DeepSpeed gathers them for
     it in the forward and the backward, which recomputes the layer (activation checkpointing) and within it the mix
     with its norm (`--attnres-recompute`): the run equals the single process, which recomputes neither."""
-    deepspeed_config = tmp_path / "zero3.json"
-    deepspeed_config.write_text(json.dumps(ZERO3_EVERY_PARAMETER))
-    accelerate_config = tmp_path / "zero3.yaml"
-    accelerate_config.write_text(
-        "distributed_type: DEEPSPEED\nnum_machines: 1\nmachine_rank: 0\nuse_cpu: false\n"
-        f"deepspeed_config:\n  deepspeed_config_file: {deepspeed_config}\n  zero3_init_flag: true\n"
-    )
+    accelerate_config = zero3_accelerate_config(tmp_path, init_flag=True)
     output_dir = tmp_path / "out"
     arguments = train_arguments(
         output_dir, checkpoint, corpus_file, activation_checkpointing=True, attnres_recompute=True
