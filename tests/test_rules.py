@@ -36,8 +36,8 @@ FAMILIES = ["llama", "gemma3_text", "qwen3_moe"]  # plain, (1 + w) norms with ou
 TRAINING_FAMILIES = ["llama", "gemma3_text", "qwen2"]  # qwen2 (biased projections) for MoE: its steps take 5x longer
 
 
-def scratch_model(family: str, rule: str, seed: int = 0, **settings) -> attnres.AttnResForCausalLM:
-    text_config = tiny_source_config(family, num_layers=4).to_dict()
+def scratch_model(family: str, rule: str, seed: int = 0, num_layers: int = 4, **settings) -> attnres.AttnResForCausalLM:
+    text_config = tiny_source_config(family, num_layers=num_layers).to_dict()
     config = attnres.AttnResConfig(text_config=text_config, attnres_mode=rule, **settings)
     torch.manual_seed(seed)
     return attnres.AttnResForCausalLM(config)
@@ -354,15 +354,25 @@ def test_ablations_keep_gradient_checkpointing_and_bf16_autocast(ablation):
     assert abs(output.loss.item() - loss.item()) < 0.05 * loss.item()
 
 
+def rule_or_ablation_model(name: str) -> attnres.AttnResForCausalLM:
+    """An ablation's model, or a rule's (Block and Full are in the contract tests) with its parameters off their init:
+    2 layers, for a compile of half the time (mHC's write and read, Highway's gates, all present)."""
+    if name in ABLATIONS:
+        return ablation_model(name)
+    model = scratch_model("llama", name, num_layers=2)
+    randomize_rule_parameters(model)
+    return model
+
+
 @pytest.mark.slow  # torch.compile: 10 to 30 s a case
-@pytest.mark.parametrize("ablation", list(ABLATIONS))
-def test_ablations_compile_whole(ablation, one_thread):
+@pytest.mark.parametrize("name", [*(rule for rule in RESIDUAL_RULES if rule not in ("block", "full")), *ABLATIONS])
+def test_rules_and_ablations_compile_whole(name, one_thread):
     """`torch.compile(fullgraph=True)` of a training step computes what eager does: its logits and each gradient err
     from a float64 run by at most 4x what eager's fp32 does (the compiler reorders fp32 sums; a random query
     projection's sharp depth softmax amplifies that, to 1.4e-5 in the logits and 3e-3 in gradients of up to 47, the
     same for eager and compiled, against a few 1e-7 for the other ablations)."""
     torch._dynamo.reset()
-    model, ids = ablation_model(ablation).train(), random_ids()
+    model, ids = rule_or_ablation_model(name).train(), random_ids()
     exact_model = copy.deepcopy(model).double()
     exact_output = exact_model(ids, labels=ids)
     exact_output.loss.backward()
@@ -380,7 +390,7 @@ def test_ablations_compile_whole(ablation, one_thread):
         return (value.double() - exact).abs().max().item()
 
     eager_error, compiled_error = error(eager_logits, exact_logits), error(compiled_logits, exact_logits)
-    print(f"{ablation}: logit error from float64, eager {eager_error:.1e}, compiled {compiled_error:.1e}")
+    print(f"{name}: logit error from float64, eager {eager_error:.1e}, compiled {compiled_error:.1e}")
     assert compiled_error <= 4 * eager_error
     for name, exact in exact_gradients.items():
         eager_error = error(eager_gradients[name], exact)
