@@ -19,8 +19,9 @@ and the standard library.
 
 import contextlib
 import math
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -433,6 +434,135 @@ def score_completed_blocks(depth: DepthState, options: DepthAttention, *heads: t
     return tuple(logits[..., i * heads_count : (i + 1) * heads_count] for i in range(len(heads)))
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Compiled training: the depth mix as one operator the compiler does not look into
+# --------------------------------------------------------------------------------------------------------------------
+# Inlined, each sublayer's mix fuses with its neighbours into kernels of its own (each has its own number of sources
+# and place in its block), so the first compiled training step took about 3x its source's compile time. As one opaque
+# operator it runs as it does in eager mode, inside the compiled graph, and the layers around it compile to the same
+# kernels, built once. Its backward is autograd's own: `torch.func.vjp` of the same mix, run by a second operator for
+# the same reason. Like a recomputed region it keeps only its inputs, the depth state the layers share anyway.
+
+OPERATOR_NAMESPACE = re.sub(r"\W", "_", __name__)  # this module's own: remote code of another version registers its own
+
+
+def mixes_in_one_operator() -> bool:
+    """Whether the depth mixes run as `depth_mix_operator`: while compiling a graph that autograd will differentiate.
+    Compiled inference (prefill, decoding) keeps the mix inline, where the compiler fuses it into few kernels."""
+    return torch.compiler.is_compiling() and torch.is_grad_enabled()
+
+
+# The operators' inputs: the depth state, the head's parameters (in the order of `DepthAttention.parts`), then the
+# fields of `DepthAttention` and the flags of `depth_attention`; spelled out, so that no torch version has to infer it
+MIX_INPUTS = (
+    "Tensor[] completed_blocks, Tensor completed_inv_rms, Tensor? partial_sum, Tensor[] parameters, float eps, "
+    "str query, str score, bool key_norm, int heads, int? window, bool two_phase, bool scale_by_num_sources"
+)
+
+
+def mix_of_tensors(
+    completed_blocks: list[torch.Tensor],
+    completed_inv_rms: torch.Tensor,
+    partial_sum: torch.Tensor | None,
+    parameters: list[torch.Tensor],
+    *settings,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mix `depth_attention` computes, from what an operator can take (`MIX_INPUTS`). -> mixed input [B,T,d], depth
+    weights [B,T,S]"""
+    *fields, two_phase, scale_by_num_sources = settings
+    options = DepthAttention(*fields)
+    learned = DepthParameters(
+        **{PARAMETER_OF_PART[part]: value for part, value in zip(options.parts, parameters, strict=True)}
+    )
+    state = DepthState(tuple(completed_blocks), completed_inv_rms, partial_sum)
+    mix = depth_mix_two_phase if two_phase else depth_mix_reference
+    mixed, weights = mix(state, learned, options, scale_by_num_sources)
+    return mixed.contiguous(), weights.contiguous()  # the layout the fake tensors promise, whichever way it ran
+
+
+depth_mix_operator = torch.library.custom_op(
+    f"{OPERATOR_NAMESPACE}::depth_mix", mutates_args=(), schema=f"({MIX_INPUTS}) -> (Tensor, Tensor)"
+)(mix_of_tensors)
+depth_mix_operator.register_fake(mix_of_tensors)  # shapes and dtypes: the mix itself, on fake tensors
+
+
+def mix_gradients(
+    grad_mixed: torch.Tensor,
+    grad_weights: torch.Tensor,
+    completed_blocks: list[torch.Tensor],
+    completed_inv_rms: torch.Tensor,
+    partial_sum: torch.Tensor | None,
+    parameters: list[torch.Tensor],
+    *settings,
+) -> list[torch.Tensor]:
+    """The gradients of `depth_mix_operator`'s inputs, by `torch.func.vjp` of the same mix: the completed blocks',
+    then the inverse RMS's, the partial sum's (where there is one) and the parameters'."""
+
+    def mix(blocks, inv_rms, learned, *partial):  # torch.func takes tensors only: no partial sum, no argument
+        return mix_of_tensors(blocks, inv_rms, partial[0] if partial else None, learned, *settings)
+
+    partial = () if partial_sum is None else (partial_sum,)
+    _, vjp = torch.func.vjp(mix, list(completed_blocks), completed_inv_rms, list(parameters), *partial)
+    grad_blocks, grad_inv_rms, grad_parameters, *grad_partial = vjp((grad_mixed, grad_weights))
+    # An operator's outputs may alias neither its inputs nor each other: a gradient passed through unchanged, or one
+    # sharing memory with another (the zeros of unused inputs), is copied
+    inputs = (grad_mixed, grad_weights, *completed_blocks, completed_inv_rms, *partial, *parameters)
+    taken = {tensor.untyped_storage().data_ptr() for tensor in inputs}
+    fresh = []
+    for grad in (*grad_blocks, grad_inv_rms, *grad_partial, *grad_parameters):
+        grad = grad.contiguous()  # the layout the fake tensors promise
+        storage = grad.untyped_storage().data_ptr()
+        fresh.append(grad.clone() if storage in taken else grad)
+        taken.add(storage)
+    return fresh
+
+
+depth_mix_backward_operator = torch.library.custom_op(
+    f"{OPERATOR_NAMESPACE}::depth_mix_backward",
+    mutates_args=(),
+    schema=f"(Tensor grad_mixed, Tensor grad_weights, {MIX_INPUTS}) -> Tensor[]",
+)(mix_gradients)
+
+
+@depth_mix_backward_operator.register_fake
+def gradient_layouts(grad_mixed, grad_weights, completed_blocks, completed_inv_rms, partial_sum, parameters, *settings):
+    """`mix_gradients`' outputs as fake tensors: one per differentiable input, of its shape and dtype."""
+    inputs = [*completed_blocks, completed_inv_rms, *([] if partial_sum is None else [partial_sum]), *parameters]
+    return [tensor.new_empty(tensor.shape) for tensor in inputs]
+
+
+def save_mix_inputs(ctx, inputs: tuple, output: tuple) -> None:
+    completed_blocks, completed_inv_rms, partial_sum, parameters, *settings = inputs
+    ctx.num_blocks, ctx.has_partial_sum, ctx.settings = len(completed_blocks), partial_sum is not None, settings
+    ctx.output_layouts = [(tensor.shape, tensor.dtype, tensor.device) for tensor in output]
+    ctx.save_for_backward(*completed_blocks, completed_inv_rms, partial_sum, *parameters)
+
+
+def mix_backward(ctx, *grad_outputs: torch.Tensor | None) -> tuple:
+    saved, num_blocks = ctx.saved_tensors, ctx.num_blocks
+    completed_blocks, (completed_inv_rms, partial_sum) = saved[:num_blocks], saved[num_blocks : num_blocks + 2]
+    grad_mixed, grad_weights = (
+        torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad  # an output nothing read
+        for grad, (shape, dtype, device) in zip(grad_outputs, ctx.output_layouts, strict=True)
+    )
+    gradients = depth_mix_backward_operator(
+        grad_mixed,
+        grad_weights,
+        list(completed_blocks),
+        completed_inv_rms,
+        partial_sum,
+        list(saved[num_blocks + 2 :]),
+        *ctx.settings,
+    )
+    grad_blocks, grad_inv_rms = gradients[:num_blocks], gradients[num_blocks]
+    grad_partial_sum = gradients[num_blocks + 1] if ctx.has_partial_sum else None
+    grad_parameters = gradients[num_blocks + 1 + ctx.has_partial_sum :]
+    return grad_blocks, grad_inv_rms, grad_partial_sum, grad_parameters, *(None,) * len(ctx.settings)
+
+
+depth_mix_operator.register_autograd(mix_backward, setup_context=save_mix_inputs)
+
+
 def depth_attention(
     depth: DepthState,
     head: tuple[nn.Module, ...],
@@ -452,6 +582,13 @@ def depth_attention(
     """
     depth = depth.window(options.window)
     learned = learned_parameters(head, options, depth.completed_inv_rms.device)
+    if mixes_in_one_operator():
+        parameters = [parameter for parameter in learned if parameter is not None]  # in the order of `options.parts`
+        mixed, weights = depth_mix_operator(
+            list(depth.completed_blocks), depth.completed_inv_rms, depth.partial_sum, parameters, *astuple(options),
+            two_phase, scale_by_num_sources,
+        )  # fmt: skip
+        return input_norm(mixed), weights
 
     def mix(learned, block_logits, partial_sum, completed_inv_rms, *completed_blocks):
         state = DepthState(completed_blocks, completed_inv_rms, partial_sum)
@@ -708,7 +845,8 @@ class AttnResRule(DepthRule):
         return {part: modules[part]() for part in self.parts}
 
     def score(self, depth, heads):
-        if not self.options.shares_phase_one:  # the queries of a projection come from the sublayer's own sources
+        # The queries of a projection come from the sublayer's own sources; one operator mixes in two phases itself
+        if not self.options.shares_phase_one or mixes_in_one_operator():
             return (None,) * len(heads)
         return score_completed_blocks(depth, self.options, *heads)
 

@@ -2,6 +2,7 @@
 torch.compile (fullgraph, static-cache decoding) and Accelerate's device maps (offloading, two devices)."""
 
 import contextlib
+from dataclasses import astuple
 
 import pytest
 import torch
@@ -222,6 +223,77 @@ def test_compiled_fullgraph_forward_and_training_step_equal_eager(mode, recomput
     compiled_out.loss.backward()
     assert (eager_out.logits - compiled_out.logits).abs().max().item() <= 1e-5
     assert_gradients_close(eager, gradients(model), 1e-5)
+
+
+def mix_operator_inputs(num_blocks: int, partial: bool, dtype=torch.float64, two_phase=True, **options) -> tuple:
+    """Inputs of `depth_mix_operator`: random depth state and head parameters, and the settings."""
+    generator = torch.Generator().manual_seed(num_blocks)
+
+    def random(*shape):
+        return torch.randn(*shape, generator=generator, dtype=dtype).requires_grad_()
+
+    attention = DepthAttention(1e-6, **options)
+    shapes = {"proj": (1, 8), "query_proj": (8, 8), "norm": (8,), "logits": (num_blocks + partial,)}
+    parameters = [random(*shapes[part]) for part in attention.parts]
+    completed_inv_rms = (torch.rand(2, 3, num_blocks, generator=generator, dtype=dtype) + 0.5).requires_grad_()
+    blocks = [random(2, 3, 8) for _ in range(num_blocks)]
+    return blocks, completed_inv_rms, random(2, 3, 8) if partial else None, parameters, *astuple(attention), \
+        two_phase, True  # fmt: skip
+
+
+MIX_OPERATOR_CASES = {
+    "block": (3, True, {}),
+    "embedding only": (1, False, {}),
+    "reference": (2, True, {"two_phase": False}),
+    "scalars": (2, True, {"query": "scalars"}),
+    "projected, sigmoid, heads, no key norm": (
+        2, True, {"query": "projected", "score": "sigmoid", "heads": 2, "key_norm": False},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MIX_OPERATOR_CASES)
+def test_the_depth_mix_operator_of_compiled_training_is_the_mix_with_autograds_gradients(case, one_thread):
+    """Compiled training runs each depth mix as one operator (the compiler does not fuse it into kernels of its own):
+    its registrations pass PyTorch's own check, and its output and gradients are those eager autograd gives for the
+    same mix, to float64 rounding."""
+    num_blocks, partial, options = MIX_OPERATOR_CASES[case]
+    inputs = mix_operator_inputs(num_blocks, partial, **options)
+    checks = torch.library.opcheck(depth_mixing.depth_mix_operator, mix_operator_inputs(num_blocks, partial, **options))
+    assert set(checks.values()) == {"SUCCESS"}, checks
+    blocks, inv_rms, partial_sum, parameters, *settings = inputs
+    leaves = [*blocks, inv_rms, *([partial_sum] if partial else []), *parameters]
+    outputs = [
+        depth_mixing.depth_mix_operator(*inputs),
+        depth_mixing.mix_of_tensors(blocks, inv_rms, partial_sum, parameters, *settings),
+    ]
+    mixed, weights = outputs[0]
+    cotangents = (torch.randn_like(mixed), torch.randn_like(weights))
+    via_operator, eager = (torch.autograd.grad(output, leaves, cotangents, allow_unused=True) for output in outputs)
+    for actual, expected in zip((*outputs[0], *via_operator), (*outputs[1], *eager), strict=True):
+        expected = torch.zeros_like(actual) if expected is None else expected  # an input the mix does not read
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_training_graph_calls_the_operator_once_per_mix(one_thread):
+    """Every depth mix of a compiled training step is one operator call (2 per layer, plus the output's); compiled
+    inference keeps the mix inline, where the compiler fuses it into few kernels for decoding."""
+    torch._dynamo.reset()
+    model, ids = small_model("full", num_layers=3).train(), random_ids()
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append([node.target for node in graph_module.graph.nodes])
+        return graph_module.forward
+
+    compiled = torch.compile(model, fullgraph=True, backend=recording_backend)
+    compiled(ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        compiled(ids)
+    operator = getattr(torch.ops, depth_mixing.OPERATOR_NAMESPACE).depth_mix.default
+    training, inference = graphs
+    assert training.count(operator) == 2 * 3 + 1
+    assert operator not in inference
 
 
 @pytest.mark.slow  # torch.compile
