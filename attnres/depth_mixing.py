@@ -447,8 +447,9 @@ OPERATOR_NAMESPACE = re.sub(r"\W", "_", __name__)  # this module's own: remote c
 
 
 def mixes_in_one_operator() -> bool:
-    """Whether the depth mixes run as `depth_mix_operator`: while compiling a graph that autograd will differentiate.
-    Compiled inference (prefill, decoding) keeps the mix inline, where the compiler fuses it into few kernels."""
+    """Whether the depth mixes may run as `depth_mix_operator` (`attnres_compiled_mix="operator"`): while compiling a
+    graph that autograd will differentiate. Compiled inference (prefill, decoding) keeps the mix inline, where the
+    compiler fuses it into few kernels."""
     return torch.compiler.is_compiling() and torch.is_grad_enabled()
 
 
@@ -573,16 +574,18 @@ def depth_attention(
     two_phase: bool,
     scale_by_num_sources: bool,
     recompute: bool,
+    one_operator: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The (normalised) input of one sublayer, mixed over the depth state (its window of it) by its head's modules.
 
     `block_logits` [B,T,n,H]: this sublayer's phase 1 (`two_phase` only), None to score here. `two_phase`: False runs
     `depth_mix_reference`. `recompute`: `input_norm` runs inside the recomputed region (the mix output is then not kept
-    either), after it otherwise. -> sublayer input [B,T,d], depth weights [B,T,S] fp32
+    either), after it otherwise. `one_operator`: the mix is one call of `depth_mix_operator` (compiled training, where
+    the config asks for it). -> sublayer input [B,T,d], depth weights [B,T,S] fp32
     """
     depth = depth.window(options.window)
     learned = learned_parameters(head, options, depth.completed_inv_rms.device)
-    if mixes_in_one_operator():
+    if one_operator:
         parameters = [parameter for parameter in learned if parameter is not None]  # in the order of `options.parts`
         mixed, weights = depth_mix_operator(
             list(depth.completed_blocks), depth.completed_inv_rms, depth.partial_sum, parameters, *astuple(options),
@@ -845,8 +848,7 @@ class AttnResRule(DepthRule):
         return {part: modules[part]() for part in self.parts}
 
     def score(self, depth, heads):
-        # The queries of a projection come from the sublayer's own sources; one operator mixes in two phases itself
-        if not self.options.shares_phase_one or mixes_in_one_operator():
+        if not self.options.shares_phase_one:  # the queries of a projection come from the sublayer's own sources
             return (None,) * len(heads)
         return score_completed_blocks(depth, self.options, *heads)
 

@@ -49,6 +49,7 @@ from .depth_mixing import (
     HyperConnection,
     ResidualScale,
     SourceWeights,
+    mixes_in_one_operator,
 )
 
 # Saved next to the weights, this file runs on every transformers from OLDEST_TRANSFORMERS on. 5.24 renamed the KV
@@ -183,11 +184,14 @@ def depth_mix_flags(config: AttnResConfig, num_tokens: int = 2) -> dict[str, boo
     A step of one token per sequence (a decoding step) mixes directly, whatever the implementation: there the two
     phases cost more operations than they save (phase 1 scores a layer's two queries once, but the partial sum then
     needs its own norm, product and concatenation), and a decoding step pays for each operation, not for its size
-    (SmolLM2-135M: 2183 aten operations per token for the source, 3951 in two phases, 3452 directly)."""
+    (SmolLM2-135M: 2183 aten operations per token for the source, 3951 in two phases, 3452 directly).
+
+    `one_operator`: each mix is one opaque operator, where the config asks for it and a training step is compiling."""
     return dict(
         two_phase=config.attnres_implementation == "two_phase" and num_tokens > 1,
         scale_by_num_sources=config.attnres_scale_by_num_sources,
         recompute=config.attnres_recompute,
+        one_operator=config.attnres_compiled_mix == "operator" and mixes_in_one_operator(),
     )
 
 
@@ -295,7 +299,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         # Once for both sublayers (AttnRes's phase 1): the MLP's mix reads the same completed blocks as the
         # attention's (a block the MLP closes closes after its mix)
         attention_scores, mlp_scores = (
-            rule.score(depth, (attention_head, mlp_head)) if flags["two_phase"] else (None,) * 2
+            rule.score(depth, (attention_head, mlp_head))
+            if flags["two_phase"] and not flags["one_operator"]  # one operator mixes in two phases by itself
+            else (None,) * 2
         )
 
         attention_input, attention_depth_weights = rule.read(

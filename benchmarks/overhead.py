@@ -409,11 +409,12 @@ COMPILE_SCRIPT = """
 import resource, sys, time, torch
 sys.path.insert(0, {benchmarks_dir!r})
 import overhead
-mode, which, num_layers, dtype, device, backend = sys.argv[1:7]
+mode, which, num_layers, dtype, device, backend, compiled_mix = sys.argv[1:8]
 torch.set_num_threads(1)
 model = overhead.tiny_model(int(num_layers), overhead.DTYPES[dtype])
 if which == "attnres":
     model = overhead.attnres_twin(model, mode)
+    model.config.attnres_compiled_mix = compiled_mix
 model = model.to(device).train()
 ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
 compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -430,12 +431,14 @@ print(*(after - before for after, before in zip(cpu_seconds(), (own, children)))
 KERNEL_SUFFIXES = (".main.so", ".cubin", ".hsaco")  # a built C++ kernel, a built Triton kernel (CUDA, ROCm)
 
 
-def first_compile(mode: str, which: str, num_layers: int, dtype: str, device: str, backend: str) -> dict:
+def first_compile(
+    mode: str, which: str, num_layers: int, dtype: str, device: str, backend: str, compiled_mix: str
+) -> dict:
     """CPU seconds of the first compiled training step of one model (of which in the compiler's child processes), and
     how many kernels the compiler built."""
     with tempfile.TemporaryDirectory(prefix="attnres-inductor-") as cache:
         words = in_fresh_process(
-            COMPILE_SCRIPT, mode, which, str(num_layers), dtype, device, backend,
+            COMPILE_SCRIPT, mode, which, str(num_layers), dtype, device, backend, compiled_mix,
             TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_COMPILE_THREADS="1", OMP_NUM_THREADS="1",
         )  # fmt: skip
         kernels = sum(path.name.endswith(KERNEL_SUFFIXES) for path in Path(cache).rglob("*"))
@@ -449,7 +452,9 @@ def compile_time_rows(args: argparse.Namespace) -> list[dict]:
         for num_layers in (int(n) for n in args.layers.split(",")):
             print(f"compiling tiny / {mode} / {num_layers} layers ...", file=sys.stderr, flush=True)
             figures = {
-                which: first_compile(mode, which, num_layers, args.dtype, args.device, args.compile_backend)
+                which: first_compile(
+                    mode, which, num_layers, args.dtype, args.device, args.compile_backend, args.compiled_mix
+                )
                 for which in ("source", "attnres")
             }
             block_size = attnres_config_for(tiny_config(num_layers), mode).attnres_block_size
@@ -575,6 +580,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         "--compile-backend",
         default="inductor",
         help="--compile-time: torch.compile backend (eager measures tracing alone)",
+    )
+    parser.add_argument(
+        "--compiled-mix",
+        choices=("inline", "operator"),
+        default="inline",
+        help="--compile-time: AttnRes's attnres_compiled_mix (default: %(default)s)",
     )
     parser.add_argument(
         "--system-malloc", action="store_true", help="time with glibc's default malloc, which returns freed memory"

@@ -209,11 +209,16 @@ def test_each_module_reads_only_its_arguments_and_parameters(
 
 
 @pytest.mark.slow  # torch.compile: 10 to 30 s a case
-@pytest.mark.parametrize("mode, recompute", [("block", False), ("full", False), ("block", True)])
-def test_compiled_fullgraph_forward_and_training_step_equal_eager(mode, recompute, one_thread):
+@pytest.mark.parametrize(
+    "mode, recompute, compiled_mix",
+    [("block", False, "inline"), ("full", False, "inline"), ("block", True, "inline"), ("block", False, "operator"),
+     ("full", True, "operator")],
+)  # fmt: skip
+def test_compiled_fullgraph_forward_and_training_step_equal_eager(mode, recompute, compiled_mix, one_thread):
     torch._dynamo.reset()
     model, ids = small_model(mode, num_layers=3).train(), random_ids()
     model.config.attnres_recompute = recompute
+    model.config.attnres_compiled_mix = compiled_mix
     compiled = torch.compile(model, fullgraph=True)
     eager_out = model(ids, labels=ids)
     eager_out.loss.backward()
@@ -276,10 +281,12 @@ def test_the_depth_mix_operator_of_compiled_training_is_the_mix_with_autograds_g
 
 
 def test_compiled_training_graph_calls_the_operator_once_per_mix(one_thread):
-    """Every depth mix of a compiled training step is one operator call (2 per layer, plus the output's); compiled
-    inference keeps the mix inline, where the compiler fuses it into few kernels for decoding."""
+    """With `attnres_compiled_mix="operator"`, every depth mix of a compiled training step is one operator call (2 per
+    layer, plus the output's); compiled inference keeps the mix inline, where the compiler fuses it into few kernels
+    for decoding, and so does the default, "inline", in training."""
     torch._dynamo.reset()
     model, ids = small_model("full", num_layers=3).train(), random_ids()
+    model.config.attnres_compiled_mix = "operator"
     graphs = []
 
     def recording_backend(graph_module, example_inputs):
@@ -291,9 +298,11 @@ def test_compiled_training_graph_calls_the_operator_once_per_mix(one_thread):
     with torch.no_grad():
         compiled(ids)
     operator = getattr(torch.ops, depth_mixing.OPERATOR_NAMESPACE).depth_mix.default
-    training, inference = graphs
+    model.config.attnres_compiled_mix = "inline"
+    compiled(ids, labels=ids).loss.backward()
+    training, inference, inline_training = graphs
     assert training.count(operator) == 2 * 3 + 1
-    assert operator not in inference
+    assert operator not in inference and operator not in inline_training
 
 
 @pytest.mark.slow  # torch.compile

@@ -365,14 +365,19 @@ def rule_or_ablation_model(name: str) -> attnres.AttnResForCausalLM:
 
 
 @pytest.mark.slow  # torch.compile: 10 to 30 s a case
-@pytest.mark.parametrize("name", [*(rule for rule in RESIDUAL_RULES if rule not in ("block", "full")), *ABLATIONS])
-def test_rules_and_ablations_compile_whole(name, one_thread):
+@pytest.mark.parametrize(
+    "name, compiled_mix",
+    [*((rule, "inline") for rule in RESIDUAL_RULES if rule not in ("block", "full")),
+     *((ablation, compiled_mix) for ablation in ABLATIONS for compiled_mix in ("inline", "operator"))],
+)  # fmt: skip
+def test_rules_and_ablations_compile_whole(name, compiled_mix, one_thread):
     """`torch.compile(fullgraph=True)` of a training step computes what eager does: its logits and each gradient err
     from a float64 run by at most 4x what eager's fp32 does (the compiler reorders fp32 sums; a random query
     projection's sharp depth softmax amplifies that, to 1.4e-5 in the logits and 3e-3 in gradients of up to 47, the
     same for eager and compiled, against a few 1e-7 for the other ablations)."""
     torch._dynamo.reset()
     model, ids = rule_or_ablation_model(name).train(), random_ids()
+    model.config.attnres_compiled_mix = compiled_mix  # AttnRes's option; the other rules' configs ignore it
     exact_model = copy.deepcopy(model).double()
     exact_output = exact_model(ids, labels=ids)
     exact_output.loss.backward()
