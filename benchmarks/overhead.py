@@ -625,6 +625,9 @@ def main(argv: list[str] | None = None) -> None:
             for world in args.worlds.split(","):
                 for autocast in args.autocast.split(","):
                     print(f"measuring {name} / {mode} / {world} / autocast {autocast} ...", file=sys.stderr, flush=True)
+                    # Each row compiles its own models: dynamo's recompile limit (8) would otherwise count the
+                    # compilations of every row's models together, and stop the third compiled row (`--modes all`)
+                    torch._dynamo.reset()
                     rows.append(benchmark_row(name, mode, world, autocast, args))
     result = {"environment": environment(args), "rows": rows}
     print(json.dumps(result["environment"]))
