@@ -534,7 +534,7 @@ def gradient_layouts(grad_mixed, grad_weights, completed_blocks, completed_inv_r
 
 def save_mix_inputs(ctx, inputs: tuple, output: tuple) -> None:
     completed_blocks, completed_inv_rms, partial_sum, parameters, *settings = inputs
-    ctx.num_blocks, ctx.has_partial_sum, ctx.settings = len(completed_blocks), partial_sum is not None, settings
+    ctx.num_blocks, ctx.settings = len(completed_blocks), settings
     ctx.output_layouts = [(tensor.shape, tensor.dtype, tensor.device) for tensor in output]
     ctx.save_for_backward(*completed_blocks, completed_inv_rms, partial_sum, *parameters)
 
@@ -555,9 +555,10 @@ def mix_backward(ctx, *grad_outputs: torch.Tensor | None) -> tuple:
         list(saved[num_blocks + 2 :]),
         *ctx.settings,
     )
+    has_partial_sum = partial_sum is not None
     grad_blocks, grad_inv_rms = gradients[:num_blocks], gradients[num_blocks]
-    grad_partial_sum = gradients[num_blocks + 1] if ctx.has_partial_sum else None
-    grad_parameters = gradients[num_blocks + 1 + ctx.has_partial_sum :]
+    grad_partial_sum = gradients[num_blocks + 1] if has_partial_sum else None
+    grad_parameters = gradients[num_blocks + 1 + has_partial_sum :]
     return grad_blocks, grad_inv_rms, grad_partial_sum, grad_parameters, *(None,) * len(ctx.settings)
 
 

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnres
-from attnres.configuration_attnres import RESIDUAL_RULES
+from attnres.configuration_attnres import COMPILED_MIXES, RESIDUAL_RULES
 from attnres.conversion import DTYPES, attnres_config_for, convert_to_attnres
 from attnres.modeling_attnres import CACHE_NAME
 from attnres.sources import default_model_path, load_source
@@ -583,7 +583,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--compiled-mix",
-        choices=("inline", "operator"),
+        choices=COMPILED_MIXES,
         default="inline",
         help="--compile-time: AttnRes's attnres_compiled_mix (default: %(default)s)",
     )
