@@ -171,10 +171,14 @@ def fp32_or_wider(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype == torch.float64 else torch.float32
 
 
+def cast(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values in `dtype`, without the operator call `.to` costs a decoding step where they are in it already."""
+    return values if values.dtype == dtype else values.to(dtype)
+
+
 def upcast(values: torch.Tensor) -> torch.Tensor:
     """The values in `fp32_or_wider` their dtype."""
-    wide = fp32_or_wider(values.dtype)
-    return values if values.dtype == wide else values.to(wide)
+    return cast(values, fp32_or_wider(values.dtype))
 
 
 def inverse_rms(values: torch.Tensor, eps: float) -> torch.Tensor:
@@ -255,11 +259,26 @@ def depth_mix_reference(
             keys = values * inverse_rms(sources, options.eps).unsqueeze(-1) * upcast(learned.key_gain) \
                 if options.key_norm else values  # fmt: skip
             products = keys * sublayer_query(depth, learned, options.eps)  # [B,T,S,d]
-            logits = products.unflatten(-1, (options.heads, -1)).sum(-1)  # [B,T,S,H]; no 1/sqrt(d)
+            logits = group_sums(products, options.heads)  # [B,T,S,H]; no 1/sqrt(d)
         weights = weigh(logits)  # [B,T,S,H]
         value_weights = weights * exact_start_scale(sources.shape[-2]) if scale_by_num_sources else weights
-        mixed = (value_weights.unsqueeze(-1) * values.unflatten(-1, (options.heads, -1))).sum(-3)  # [B,T,H,d/H]
-    return mixed.flatten(-2).to(sources.dtype), mean_over_groups(weights)
+        return weighted_sum(value_weights, values, sources.dtype), mean_over_groups(weights)
+
+
+def group_sums(products: torch.Tensor, heads: int) -> torch.Tensor:
+    """[..., d] -> [..., H], the sum over each channel group; one group without splitting the channels (each
+    operation saved is one a decoding step does not pay for)."""
+    return products.sum(-1, keepdim=True) if heads == 1 else products.unflatten(-1, (heads, -1)).sum(-1)
+
+
+def weighted_sum(weights: torch.Tensor, stacked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The stacked sources [B,T,S,d] weighted by `weights` [B,T,S,H] (each channel group by its own) and summed over
+    the sources, one group without splitting the channels. -> [B,T,d] in `dtype`"""
+    heads = weights.shape[-1]
+    if heads == 1:
+        return cast((weights * stacked).sum(-2), dtype)
+    grouped = stacked.unflatten(-1, (heads, -1))  # [B,T,S,H,d/H]
+    return cast((weights.unsqueeze(-1) * grouped).sum(-3).flatten(-2), dtype)
 
 
 Blocks = torch.Tensor | tuple[torch.Tensor, ...]  # the completed blocks: stacked [B,T,n,d], or n x [B,T,d] as kept
@@ -318,14 +337,13 @@ def read_sources(weights: torch.Tensor, sources: Blocks) -> torch.Tensor:
     if isinstance(sources, torch.Tensor):  # stacked [B,T,S,d]
         # A product and a sum: fewer operations than a batched matmul of 5-d operands, and fp32 weights times narrower
         # sources promote inside the product
-        grouped = sources.unflatten(-1, (heads, -1))  # [B,T,S,H,d/H]
-        return (weights.unsqueeze(-1) * grouped).sum(-3).flatten(-2).to(sources.dtype)
+        return weighted_sum(weights, sources, sources.dtype)
     # One multiply-add per block; mixed dtypes promote inside the op, so a narrower block is read, and kept, as it is
     first, *rest = (source.unflatten(-1, (heads, -1)) for source in sources)  # [B,T,H,d/H] each
     mixed = weights[..., 0, :, None] * first  # [B,T,H,d/H] fp32
     for i, source in enumerate(rest, start=1):
         mixed = torch.addcmul(mixed, weights[..., i, :, None], source)
-    return mixed.flatten(-2).to(sources[0].dtype)
+    return cast(mixed.flatten(-2), sources[0].dtype)
 
 
 def merge_partial_sum(
@@ -401,9 +419,9 @@ def learned_parameters(head: tuple[nn.Module, ...], options: DepthAttention, dev
     """What the head's modules hold, read in module calls for hooks to see, and brought to the depth state's device
     because a device map may place a head's modules elsewhere (Accelerate moves the arguments of a module call, not its
     output)."""
-    return DepthParameters(
-        **{PARAMETER_OF_PART[part]: module().to(device) for part, module in zip(options.parts, head, strict=True)}
-    )
+    learned = {PARAMETER_OF_PART[part]: module() for part, module in zip(options.parts, head, strict=True)}
+    # Compared here: `.to` is an operator call even where it has nothing to move, which a decoding step pays for
+    return DepthParameters(**{name: p if p.device == device else p.to(device) for name, p in learned.items()})
 
 
 def score_completed_blocks(depth: DepthState, options: DepthAttention, *heads: tuple[nn.Module, ...]) -> tuple:
