@@ -328,11 +328,14 @@ def plot_cpt(runs: list[dict], study: str, title: str, path: Path) -> None:
 
 
 def progress_table(runs: list[dict], expected: dict[str, int]) -> str:
-    done = defaultdict(int)
+    """Runs finished per study, and how many of them ran with the pinned vector kernels (which reproduce on any CPU
+    with AVX2; the others on a CPU like the one they ran on)."""
+    done, pinned = defaultdict(int), defaultdict(int)
     for run in runs:
         done[run["study"]] += 1
-    rows = [[study, f"{done[study]} of {count}"] for study, count in expected.items()]
-    return table(["study", "runs finished"], rows) + "\n"
+        pinned[run["study"]] += run.get("kernels") is not None
+    rows = [[study, f"{done[study]} of {count}", str(pinned[study])] for study, count in expected.items()]
+    return table(["study", "runs finished", "of them with pinned kernels"], rows) + "\n"
 
 
 def corpus_line(runs: list[dict]) -> str:

@@ -23,6 +23,7 @@ SMOKE_RUNS = "sweep-small-*,table4-small-*-seed0,table4-small-*-seed1,convert-ti
 pytestmark = pytest.mark.slow  # a benchmark's smoke runs (a minute and more): CI runs them, the fast tier does not
 
 FIELDS = {"study", "variant", "size", "params", "seed", "lr", "tokens", "curve", "cpu_s_per_step", "corpus", "command"}
+FIELDS |= {"kernels", "cpu"}
 
 
 def load_benchmark():
@@ -64,6 +65,7 @@ def test_every_run_writes_its_json(smoke):
         assert len(run["curve"]) >= 3 and run["curve"][0][0] == 0
         assert len(run["corpus"]["sha256"]) == len(run["corpus"]["held_out"]["sha256"]) == 64, name
         assert run["corpus"]["held_out"]["documents"] >= quality.SMOKE_HELD_OUT.documents, name
+        assert run["kernels"] == quality.PINNED_KERNELS | {"aten_capability": "AVX2"} and run["cpu"], name
     for study in quality.STUDIES:  # every variant of a study is scored at the same token counts
         counts = {json.dumps([t for t, _ in run["curve"]]) for run in runs.values() if run["study"] == study}
         assert len(counts) <= 1, study
@@ -128,14 +130,18 @@ def test_from_scratch_variants_share_data_order_and_initial_weights(smoke):
 
 def test_a_stopped_run_resumes_to_the_same_curve(smoke, tmp_path, one_thread):
     """Stopped after its first checkpoint and started again, a run reaches the curve of the uninterrupted one (one
-    thread, as the study trains: another thread count sums in another order)."""
+    thread, as the study trains: another thread count sums in another order; both in this process, whose kernels are
+    not the study's pinned ones)."""
     run = next(spec for spec in quality.all_runs(smoke=True) if spec.id == "table4-small-block-seed0")
     corpus = smoke / "runs" / "smoke-corpus"
-    setting = quality.Setting(tmp_path, smoke / "results", corpus, "smoke", smoke=True, threads=1, command=" --smoke")
-    quality.train_run(setting, run, stop_at_step=run.options["eval_every"])
-    assert not quality.is_trained(tmp_path / run.id)
-    curve = quality.held_out_curve(quality.train_run(setting, run), run.tokens_per_step)
-    assert curve == results(smoke)[run.id]["curve"]
+    curves = []
+    for work, stops in ((tmp_path / "stopped", True), (tmp_path / "whole", False)):
+        setting = quality.Setting(work, smoke / "results", corpus, "smoke", smoke=True, threads=1, command=" --smoke")
+        if stops:
+            quality.train_run(setting, run, stop_at_step=run.options["eval_every"])
+            assert not quality.is_trained(work / run.id)
+        curves.append(quality.held_out_curve(quality.train_run(setting, run), run.tokens_per_step))
+    assert curves[0] == curves[1] and len(curves[0]) == len(results(smoke)[run.id]["curve"])
 
 
 def test_a_run_stopped_by_a_signal_stops_the_study_without_a_result(tmp_path, monkeypatch):
@@ -182,6 +188,34 @@ def test_reproduce_refuses_another_corpus_in_one_line(smoke, tmp_path):
     arguments[arguments.index(str(path))] = str(old)
     refused = subprocess.run([sys.executable, str(BENCHMARK), *arguments], capture_output=True, text=True)
     assert refused.returncode == 1 and "was made before the corpus was pinned" in refused.stderr, refused.stderr
+
+
+def test_reproduce_runs_with_the_kernels_the_run_was_made_with(smoke, tmp_path):
+    """A pinned run is reproduced with the pinned kernels, whatever the caller's environment; one made before the
+    pinning with the machine's own (and a note saying so); one recorded with other kernels is refused in one line."""
+    path = smoke / "results" / "table4-small-block-seed0.json"
+    committed = json.loads(path.read_text())
+    arguments = ["--reproduce", str(path), "--reproduce-tokens", "256"]
+    caller = {"ATEN_CPU_CAPABILITY": "default", "PATH": "/bin"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "environ", caller)
+        assert quality.kernel_environment(["--smoke", *arguments]) == caller | quality.PINNED_KERNELS
+        assert quality.kernel_environment(["--smoke"]) == caller | quality.PINNED_KERNELS
+        legacy = tmp_path / "legacy.json"
+        legacy.write_text(json.dumps({key: value for key, value in committed.items() if key != "kernels"}))
+        arguments[1] = str(legacy)
+        assert quality.kernel_environment(["--smoke", *arguments]) == {"PATH": "/bin"}
+    tokens = str(committed["curve"][1][0])
+    work = ["--work", str(smoke / "runs"), "--results", str(smoke / "results")]
+    output = run_benchmark(*work, "--reproduce", str(legacy), "--reproduce-tokens", tokens)
+    assert "was made before the kernels were pinned" in output.stderr
+    assert [tokens for tokens, _ in json.loads(output.stdout.strip().splitlines()[-1])] == [0, int(tokens)]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(committed | {"kernels": committed["kernels"] | {"MKL_CBWR": "AVX512"}}))
+    arguments = [str(BENCHMARK), "--smoke", *work, "--reproduce", str(other), "--reproduce-tokens", tokens]
+    refused = subprocess.run([sys.executable, *arguments], capture_output=True, text=True)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "was made with the kernels" in refused.stderr and "'MKL_CBWR': 'AVX512'" in refused.stderr
 
 
 def test_each_seed_holds_out_enough_prose_sized_documents(tmp_path):
@@ -255,7 +289,11 @@ def test_the_report_fills_the_page_from_the_files(smoke, tmp_path):
     assert "old" not in filled
     for label in list(quality.RULES.values()) + [label for label, _ in quality.CONVERT_VARIANTS.values()]:
         assert f"| {label} |" in filled, label
-    assert "| table4 | 32 of 63 |" in filled and "| sweep | 4 of 8 |" in filled and "| long | 0 of 9 |" in filled
+    assert (
+        "| table4 | 32 of 63 | 32 |" in filled
+        and "| sweep | 4 of 8 | 4 |" in filled
+        and "| long | 0 of 9 | 0 |" in filled
+    )
     assert "(2 pairs)" in filled and "(best: every arm's rate)" in filled
     assert filled.count("No run of this study has finished yet.") == 1  # the long runs
     for picture in ("quality_table4_gap.png", "quality_convert_tiny.png", "quality_cpt_smollm2.png"):
