@@ -596,9 +596,8 @@ def initial_model(setting: Setting, run: RunSpec) -> str:
         def write(staging: Path) -> None:
             tokenizer = byte_tokenizer()
             shape = (SMOKE_SIZES if setting.smoke else SIZES)[run.size]
-            scratch_model(llama_config(shape, tokenizer, run.options["seq_len"]), run.rule, run.seed).save_pretrained(
-                staging
-            )
+            model = scratch_model(llama_config(shape, tokenizer, run.options["seq_len"]), run.rule, run.seed)
+            model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
 
         return str(made_once(setting.work / "init" / f"{run.size}-{run.rule}-seed{run.seed}", write))
