@@ -136,13 +136,25 @@ def gap_curves(groups: dict, size: str, variant: str, control: str) -> tuple[lis
     return tokens, gaps
 
 
+def made_alike(run: dict, control: dict) -> bool:
+    """Whether two runs were made on the same kind of CPU with the same kernels, so that their speeds compare: the
+    machine sets the speed (one PreNorm run took 0.92 CPU s per step on one machine and 0.70 on another)."""
+    return (run.get("cpu"), run.get("kernels")) == (control.get("cpu"), control.get("kernels"))
+
+
 def cpu_cost(groups: dict, size: str, variant: str, control: str | None) -> str:
-    """CPU seconds per training step (median over the run's steps, mean over seeds), and its ratio to the control's."""
+    """CPU seconds per training step (median over the run's steps, mean over seeds), and its ratio to the control's:
+    the mean over seeds of the same-seed ratio, from the pairs made alike."""
     seconds = statistics.mean(run["cpu_s_per_step"] for run in groups[size, variant].values())
     if control is None or variant == control or (size, control) not in groups:
         return f"{seconds:.3f}"
-    control_seconds = statistics.mean(run["cpu_s_per_step"] for run in groups[size, control].values())
-    return f"{seconds:.3f} ({seconds / control_seconds:.2f}x)"
+    runs, controls = groups[size, variant], groups[size, control]
+    ratios = [
+        runs[seed]["cpu_s_per_step"] / controls[seed]["cpu_s_per_step"]
+        for seed in sorted(runs)
+        if seed in controls and made_alike(runs[seed], controls[seed])
+    ]
+    return f"{seconds:.3f} ({statistics.mean(ratios):.2f}x)" if ratios else f"{seconds:.3f}"
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -308,3 +308,21 @@ def test_the_committed_page_shows_the_committed_results(tmp_path):
         [sys.executable, str(BENCHMARK), "--docs", str(tmp_path), "--report"], check=True, capture_output=True
     )
     assert (tmp_path / "quality.md").read_text() == (docs / "quality.md").read_text()
+
+
+def test_speed_ratios_pair_seeds_made_on_the_same_kind_of_cpu():
+    """A rule's CPU cost against PreNorm's is the mean same-seed ratio over pairs made on one kind of CPU with the
+    same kernels: a run made on a faster machine would otherwise pass for a cheaper rule."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import quality_report
+
+    def run(seconds: float, cpu: str) -> dict:
+        return {"cpu_s_per_step": seconds, "cpu": cpu, "kernels": quality.PINNED_KERNELS}
+
+    groups = {
+        ("small", "prenorm"): {0: run(1.0, "A"), 1: run(0.5, "B")},
+        ("small", "block"): {0: run(1.2, "A"), 1: run(1.2, "A")},
+    }
+    assert quality_report.cpu_cost(groups, "small", "block", "prenorm") == "1.200 (1.20x)"
+    groups["small", "prenorm"][0]["cpu"] = "B"
+    assert quality_report.cpu_cost(groups, "small", "block", "prenorm") == "1.200"
