@@ -20,8 +20,10 @@ version (`CORPUS`), downloaded with pip on first use and checked by the archive'
 documents (at least 8 prose-sized documents, at least 64 KiB scored at every evaluation), the same for every arm.
 Every result records the content hash of the corpus and of its held-out split, and `--reproduce` refuses a run made
 on another corpus. The vector kernels are pinned too (`PINNED_KERNELS`, set in the environment of the process: it
-starts itself afresh with them), so a run gives the same numbers on any x86 CPU with AVX2; each result records them
-and its CPU. A run made before they were pinned records neither and is reproduced with the kernels the machine picks.
+starts itself afresh with them), so that Xeons with and without AVX-512 give the same numbers; they do not make an
+AMD EPYC agree with a Xeon. Each result records them and its CPU, and `--reproduce` refuses a run made on another kind
+of CPU unless told `--other-cpu`. A run made before they were pinned records neither and is reproduced with the
+kernels the machine picks.
 
 Every run is an `attnres train` run, checkpointed at each evaluation and resumed from there when started again, and
 writes one JSON file into `benchmarks/results/` when it finishes (its curve, CPU seconds per step, the command and
@@ -82,7 +84,8 @@ logger = logging.getLogger("quality")
 # numerical reproducibility for AVX2, oneDNN's AVX2 code. Left to choose by the CPU, each sums in another order on
 # another CPU, and a training run drifts from its first steps (measured: runs made in other sessions differ in their
 # training losses by one float32 rounding from step 1 or 2; mHC's held-out loss by 3.4e-5 after 51 steps). Pinned,
-# every operation of a training step gave the same bits with MKL limited further to AVX2 as without.
+# every operation of a training step gave the same bits with MKL limited further to AVX2 as without. They do not make
+# CPUs of other makers agree: the same pinned run on an AMD EPYC first differs from the Xeon's at step 5 (4.8e-7).
 PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -740,7 +743,7 @@ def kernels_in_use() -> dict[str, str | None]:
 
 
 def cpu_name() -> str:
-    """The CPU's model name, for the record (pinned kernels give the same numbers on any CPU with AVX2)."""
+    """The CPU's model name, for the record and for `--reproduce`, which needs a CPU of the kind a run was made on."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -761,8 +764,9 @@ def kernel_environment(argv: list[str]) -> dict[str, str]:
     return environment | PINNED_KERNELS
 
 
-def check_kernels(committed: dict[str, Any], path: Path) -> None:
-    """Refuse to reproduce a pinned run where this process cannot run its kernels; say so of a run made unpinned."""
+def check_kernels(committed: dict[str, Any], path: Path, other_cpu: bool = False) -> None:
+    """Refuse to reproduce a pinned run where this process cannot run its kernels, or (unless `other_cpu`) on another
+    kind of CPU than it was made on; say so of a run made unpinned."""
     recorded = committed.get("kernels")
     if recorded is None:
         print(
@@ -776,6 +780,18 @@ def check_kernels(committed: dict[str, Any], path: Path) -> None:
         raise QualityError(
             f"{path.name} was made with the kernels {recorded}; this process has {here}. Run it as "
             "`python benchmarks/quality.py --reproduce ...`, which sets them (ATen's AVX2 kernels need a CPU with AVX2)"
+        )
+    if committed.get("cpu") != cpu_name():
+        if not other_cpu:
+            raise QualityError(
+                f"{path.name} was made on the CPU '{committed.get('cpu')}'; this machine's is '{cpu_name()}', where "
+                "the same kernels sum in other orders and the curve drifts by float32 roundings from the first "
+                "steps. Run it on that kind of CPU, or pass --other-cpu to run it here anyway"
+            )
+        print(
+            f"{path.name} was made on the CPU '{committed.get('cpu')}', reproduced on '{cpu_name()}': expect "
+            "float32 drift",
+            file=sys.stderr,
         )
 
 
@@ -856,11 +872,13 @@ def check_corpus(setting: Setting, committed: dict[str, Any], path: Path) -> Non
         )
 
 
-def reproduce(setting: Setting, path: Path, tokens: int, runs: dict[str, RunSpec]) -> list[list[float]]:
+def reproduce(
+    setting: Setting, path: Path, tokens: int, runs: dict[str, RunSpec], other_cpu: bool = False
+) -> list[list[float]]:
     """Re-run the run of `path` (a results JSON) from its start up to `tokens` -> its held-out points up to there."""
     committed = json.loads(path.read_text())
     check_corpus(setting, committed, path)
-    check_kernels(committed, path)
+    check_kernels(committed, path, other_cpu)
     run = runs.get(committed["id"])
     if run is None or run.options != committed["options"]:
         raise QualityError(f"{path}: this code has no run {committed['id']} with the options the file records")
@@ -915,6 +933,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny models and generated text: checks that all runs")
     parser.add_argument("--reproduce", type=Path, metavar="RUN.json", help="re-run this run up to --reproduce-tokens")
     parser.add_argument("--reproduce-tokens", type=int, metavar="N", help="training tokens to reproduce")
+    parser.add_argument(
+        "--other-cpu",
+        action="store_true",
+        help="with --reproduce: run it even on another kind of CPU than it was made on",
+    )
     parser.add_argument("--report", action="store_true", help="write docs/quality.md's tables and plots from --results")
     parser.add_argument("--docs", type=Path, default=REPOSITORY / "docs", help="folder of quality.md, with --report")
     return parser.parse_args(argv)
@@ -925,6 +948,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(message)s", level=logging.INFO)
     if (args.reproduce is None) != (args.reproduce_tokens is None):
         raise QualityError("--reproduce RUN.json and --reproduce-tokens N go together")
+    if args.other_cpu and args.reproduce is None:
+        raise QualityError("--other-cpu goes with --reproduce RUN.json")
     runs = {run.id: run for run in all_runs(args.smoke)}
     if args.report:
         import quality_report  # the tables and plots; matplotlib only here
@@ -954,7 +979,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reproduce is not None:
         with tempfile.TemporaryDirectory(prefix="quality-reproduce-") as work:
             setting.work = Path(work)
-            points = reproduce(setting, args.reproduce, args.reproduce_tokens, runs)
+            points = reproduce(setting, args.reproduce, args.reproduce_tokens, runs, args.other_cpu)
         print(json.dumps(points))
         return 0
     return run_all(setting, chosen, runs)

@@ -10,7 +10,7 @@ import json
 import math
 import re
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -340,14 +340,24 @@ def plot_cpt(runs: list[dict], study: str, title: str, path: Path) -> None:
 
 
 def progress_table(runs: list[dict], expected: dict[str, int]) -> str:
-    """Runs finished per study, and how many of them ran with the pinned vector kernels (which reproduce on any CPU
-    with AVX2; the others on a CPU like the one they ran on)."""
-    done, pinned = defaultdict(int), defaultdict(int)
+    """Runs finished per study, how many of them ran with the pinned vector kernels, and on which CPUs those ran (a
+    run reproduces on a CPU of the kind it ran on)."""
+    done, pinned, cpus = defaultdict(int), defaultdict(int), defaultdict(Counter)
     for run in runs:
         done[run["study"]] += 1
-        pinned[run["study"]] += run.get("kernels") is not None
-    rows = [[study, f"{done[study]} of {count}", str(pinned[study])] for study, count in expected.items()]
-    return table(["study", "runs finished", "of them with pinned kernels"], rows) + "\n"
+        if run.get("kernels") is not None:
+            pinned[run["study"]] += 1
+            cpus[run["study"]][run["cpu"]] += 1
+    rows = [
+        [
+            study,
+            f"{done[study]} of {count}",
+            str(pinned[study]),
+            ", ".join(f"{n} {cpu}" for cpu, n in cpus[study].most_common()),
+        ]
+        for study, count in expected.items()
+    ]
+    return table(["study", "runs finished", "of them with pinned kernels", "made on"], rows) + "\n"
 
 
 def corpus_line(runs: list[dict]) -> str:

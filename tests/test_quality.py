@@ -218,6 +218,23 @@ def test_reproduce_runs_with_the_kernels_the_run_was_made_with(smoke, tmp_path):
     assert "was made with the kernels" in refused.stderr and "'MKL_CBWR': 'AVX512'" in refused.stderr
 
 
+def test_reproduce_refuses_another_kind_of_cpu_unless_told(smoke, tmp_path):
+    """Pinned kernels do not make CPUs of other makers agree: a run recorded on another CPU is refused in one line
+    naming it; with --other-cpu it runs, with a note."""
+    committed = json.loads((smoke / "results" / "table4-small-block-seed0.json").read_text())
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(committed | {"cpu": "Another CPU"}))
+    tokens = str(committed["curve"][1][0])
+    work = ["--work", str(smoke / "runs"), "--results", str(smoke / "results")]
+    arguments = [str(BENCHMARK), "--smoke", *work, "--reproduce", str(other), "--reproduce-tokens", tokens]
+    refused = subprocess.run([sys.executable, *arguments], capture_output=True, text=True)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "was made on the CPU 'Another CPU'" in refused.stderr and "--other-cpu" in refused.stderr
+    output = run_benchmark(*work, "--reproduce", str(other), "--reproduce-tokens", tokens, "--other-cpu")
+    assert "reproduced on" in output.stderr and "expect float32 drift" in output.stderr
+    assert json.loads(output.stdout.strip().splitlines()[-1]) == committed["curve"][:2]
+
+
 def test_each_seed_holds_out_enough_prose_sized_documents(tmp_path):
     sizes = [500, 20_000] + [1_000 + 97 * index for index in range(80)]
     files = []
