@@ -781,16 +781,16 @@ def check_kernels(committed: dict[str, Any], path: Path, other_cpu: bool = False
             f"{path.name} was made with the kernels {recorded}; this process has {here}. Run it as "
             "`python benchmarks/quality.py --reproduce ...`, which sets them (ATen's AVX2 kernels need a CPU with AVX2)"
         )
-    if committed.get("cpu") != cpu_name():
+    made_on, this_cpu = committed.get("cpu"), cpu_name()
+    if made_on != this_cpu:
         if not other_cpu:
             raise QualityError(
-                f"{path.name} was made on the CPU '{committed.get('cpu')}'; this machine's is '{cpu_name()}', where "
+                f"{path.name} was made on the CPU '{made_on}'; this machine's is '{this_cpu}', where "
                 "the same kernels sum in other orders and the curve drifts by float32 roundings from the first "
                 "steps. Run it on that kind of CPU, or pass --other-cpu to run it here anyway"
             )
         print(
-            f"{path.name} was made on the CPU '{committed.get('cpu')}', reproduced on '{cpu_name()}': expect "
-            "float32 drift",
+            f"{path.name} was made on the CPU '{made_on}', reproduced on '{this_cpu}': expect float32 drift",
             file=sys.stderr,
         )
 

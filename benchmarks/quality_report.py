@@ -342,17 +342,16 @@ def plot_cpt(runs: list[dict], study: str, title: str, path: Path) -> None:
 def progress_table(runs: list[dict], expected: dict[str, int]) -> str:
     """Runs finished per study, how many of them ran with the pinned vector kernels, and on which CPUs those ran (a
     run reproduces on a CPU of the kind it ran on)."""
-    done, pinned, cpus = defaultdict(int), defaultdict(int), defaultdict(Counter)
+    done, cpus = defaultdict(int), defaultdict(Counter)
     for run in runs:
         done[run["study"]] += 1
         if run.get("kernels") is not None:
-            pinned[run["study"]] += 1
             cpus[run["study"]][run["cpu"]] += 1
     rows = [
         [
             study,
             f"{done[study]} of {count}",
-            str(pinned[study]),
+            str(cpus[study].total()),
             ", ".join(f"{n} {cpu}" for cpu, n in cpus[study].most_common()),
         ]
         for study, count in expected.items()
