@@ -6,10 +6,11 @@ earlier representations, and the depth state the decoder layers hand on to each 
 The sources v_i of a sublayer are the completed blocks (b_0 = the token embedding, then one sum per finished block; in
 Full mode every sublayer output is a block of its own) and the partial sum of the current block. As fla ships a naive
 reference beside each fused kernel, this file holds two functions with the same signature: `depth_mix_reference`, the
-direct computation, and `depth_mix_two_phase` (paper Algorithm 1), which the model runs. Phase 1 scores queries
-against the completed blocks, whose inverse RMS the depth state keeps from when each closed; a decoder layer runs it
-once for both of its sublayers (`score_completed_blocks`). Phase 2 lets the partial sum join the softmax and reads the
-mixture. `DepthAttention` holds the paper's ablations of this formula (its Table 4), each one field.
+direct computation, and `depth_mix_two_phase` (paper Algorithm 1), which the model runs. `DEPTH_MIX_BACKENDS` holds
+them by name, as transformers holds attention functions; `DepthMixPolicy` says which one runs and how. Phase 1 scores
+queries against the completed blocks, whose inverse RMS the depth state keeps from when each closed; a decoder layer
+runs it once for both of its sublayers (`score_completed_blocks`). Phase 2 lets the partial sum join the softmax and
+reads the mixture. `DepthAttention` holds the paper's ablations of this formula (its Table 4), each one field.
 
 Shapes: B batch, T tokens, n completed blocks, q queries, S sources of one sublayer (n, or n + 1 with the partial
 sum), H depth heads (channel groups, 1 unless ablated), d hidden size. Plain tensor ops: PyTorch differentiates and
@@ -30,7 +31,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-class AttnResPseudoQuery(nn.Module):
+class RuleModule(nn.Module):
+    """A module of the head a rule learns for one sublayer. It owns its parameters' init, the one its rule's paper
+    gives: `init_weights(init)` sets them with transformers' `initialization` functions (handed in, as this file
+    imports only torch), which leave alone the parameters a checkpoint has loaded."""
+
+    def init_weights(self, init) -> None:
+        raise NotImplementedError
+
+
+class AttnResPseudoQuery(RuleModule):
     """The pseudo-query w of one sublayer (paper Eq. 3), zero at init (uniform depth weights).
 
     Calling the module returns w [1,d], so that hooks which place or gather parameters on a module call (Accelerate
@@ -42,11 +52,14 @@ class AttnResPseudoQuery(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size))
 
+    def init_weights(self, init) -> None:
+        init.zeros_(self.weight)  # "all pseudo-query vectors must be initialized to zero" (paper §5)
+
     def forward(self) -> torch.Tensor:
         return self.weight
 
 
-class AttnResQueryProjection(nn.Module):
+class AttnResQueryProjection(RuleModule):
     """The input-dependent query's projection W [d,d] of one sublayer (ablation `query="projected"`): the query is
     w + W RMSNorm(v) / d, v the latest source. Zero at init, so the query starts as the pseudo-query w. Not an
     `nn.Linear`, for the reason `AttnResPseudoQuery` gives.
@@ -61,11 +74,14 @@ class AttnResQueryProjection(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size, hidden_size))
 
+    def init_weights(self, init) -> None:
+        init.zeros_(self.weight)
+
     def forward(self) -> torch.Tensor:
         return self.weight
 
 
-class AttnResKeyNorm(nn.Module):
+class AttnResKeyNorm(RuleModule):
     """The RMSNorm of the depth keys: its gain g [d] and eps. The values stay raw (paper Eq. 2, A4).
 
     Calling the module returns g (see `AttnResPseudoQuery`): the direct computation scales the normalised keys by it,
@@ -77,17 +93,23 @@ class AttnResKeyNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
+    def init_weights(self, init) -> None:
+        init.ones_(self.weight)
+
     def forward(self) -> torch.Tensor:
         return self.weight
 
 
-class AttnResSourceLogits(nn.Module):
+class AttnResSourceLogits(RuleModule):
     """The learned logit of each source of one sublayer (ablation `query="scalars"`: input-independent mixing, no query
     and no key), zero at init: uniform weights, as zero pseudo-queries give."""
 
     def __init__(self, num_sources: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_sources))
+
+    def init_weights(self, init) -> None:
+        init.zeros_(self.weight)
 
     def forward(self) -> torch.Tensor:
         return self.weight
@@ -244,11 +266,16 @@ def mean_over_groups(weights: torch.Tensor) -> torch.Tensor:
 
 
 def depth_mix_reference(
-    depth: DepthState, learned: DepthParameters, options: DepthAttention, scale_by_num_sources: bool
+    depth: DepthState,
+    learned: DepthParameters,
+    options: DepthAttention,
+    scale_by_num_sources: bool,
+    block_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The direct computation (paper Fig. 2), the reference for `depth_mix_two_phase`: stack the sources, normalise
-    them as keys, score per channel group, softmax (or sigmoid), weighted sum. -> mixed input [B,T,d], depth weights
-    [B,T,S] (the mean over the channel groups)"""
+    """The direct computation (paper Fig. 2), the reference for every other backend: stack the sources, normalise
+    them as keys, score per channel group, softmax (or sigmoid), weighted sum. It scores every source itself:
+    `block_logits`, another backend's phase 1, is not read. -> mixed input [B,T,d], depth weights [B,T,S] (the mean
+    over the channel groups)"""
     sources = torch.stack(depth.sources(), dim=-2)  # [B,T,S,d]
     weigh, exact_start_scale = SCORES[options.score]
     with fp32_region(sources):
@@ -398,6 +425,33 @@ def depth_mix_two_phase(
         return merge_partial_sum(logits, depth.completed_blocks, depth.partial_sum, options.score, scale_by_num_sources)
 
 
+# The depth-mix backends by name, as transformers' ALL_ATTENTION_FUNCTIONS holds attention functions. One signature:
+#     backend(depth, learned, options, scale_by_num_sources, block_logits) -> mixed input [B,T,d], weights [B,T,S]
+# `naive` is the reference each other backend is tested against (a fused kernel plugs in as one more entry, with
+# its name in the configuration's IMPLEMENTATIONS). How a mix is run, recomputed or wrapped in one operator for
+# compiled training, is `DepthMixPolicy`'s, applied around the backend by `depth_attention`.
+DEPTH_MIX_BACKENDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "naive": depth_mix_reference,
+    "two_phase": depth_mix_two_phase,
+}
+
+
+class DepthMixPolicy(NamedTuple):
+    """How the depth mixes of one forward run, read from the config at every forward (see the model's
+    `depth_mix_policy`)."""
+
+    backend: str  # a key of DEPTH_MIX_BACKENDS
+    scale_by_num_sources: bool  # zero logits read the plain sum of the sources (exact conversion)
+    recompute: bool  # the mix and the sublayer's input norm recomputed in backward, not kept
+    one_operator: bool  # the mix runs as `depth_mix_operator` (compiled training, where the config asks for it)
+
+    @property
+    def shares_phase_one(self) -> bool:
+        """Whether a layer scores its sublayers' queries against the completed blocks once, before they run: the
+        two-phase backend run inline (one operator runs both phases inside itself)."""
+        return self.backend == "two_phase" and not self.one_operator
+
+
 def recomputed(
     function: Callable[..., tuple | torch.Tensor], *inputs: torch.Tensor | None, keeps_copies: bool = True
 ) -> tuple | torch.Tensor:
@@ -472,10 +526,11 @@ def mixes_in_one_operator() -> bool:
 
 
 # The operators' inputs: the depth state, the head's parameters (in the order of `DepthAttention.parts`), then the
-# fields of `DepthAttention` and the flags of `depth_attention`; spelled out, so that no torch version has to infer it
+# fields of `DepthAttention`, the backend the operator runs and the policy's `scale_by_num_sources`; spelled out, so
+# that no torch version has to infer it
 MIX_INPUTS = (
     "Tensor[] completed_blocks, Tensor completed_inv_rms, Tensor? partial_sum, Tensor[] parameters, float eps, "
-    "str query, str score, bool key_norm, int heads, int? window, bool two_phase, bool scale_by_num_sources"
+    "str query, str score, bool key_norm, int heads, int? window, str backend, bool scale_by_num_sources"
 )
 
 
@@ -488,14 +543,13 @@ def mix_of_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mix `depth_attention` computes, from what an operator can take (`MIX_INPUTS`). -> mixed input [B,T,d], depth
     weights [B,T,S]"""
-    *fields, two_phase, scale_by_num_sources = settings
+    *fields, backend, scale_by_num_sources = settings
     options = DepthAttention(*fields)
     learned = DepthParameters(
         **{PARAMETER_OF_PART[part]: value for part, value in zip(options.parts, parameters, strict=True)}
     )
     state = DepthState(tuple(completed_blocks), completed_inv_rms, partial_sum)
-    mix = depth_mix_two_phase if two_phase else depth_mix_reference
-    mixed, weights = mix(state, learned, options, scale_by_num_sources)
+    mixed, weights = DEPTH_MIX_BACKENDS[backend](state, learned, options, scale_by_num_sources)
     return mixed.contiguous(), weights.contiguous()  # the layout the fake tensors promise, whichever way it ran
 
 
@@ -589,42 +643,38 @@ def depth_attention(
     options: DepthAttention,
     input_norm: Callable[[torch.Tensor], torch.Tensor],
     block_logits: torch.Tensor | None,
-    *,
-    two_phase: bool,
-    scale_by_num_sources: bool,
-    recompute: bool,
-    one_operator: bool,
+    policy: DepthMixPolicy,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (normalised) input of one sublayer, mixed over the depth state (its window of it) by its head's modules.
+    """The (normalised) input of one sublayer, mixed over the depth state (its window of it) by its head's modules,
+    with the backend `policy` names, run as it says.
 
-    `block_logits` [B,T,n,H]: this sublayer's phase 1 (`two_phase` only), None to score here. `two_phase`: False runs
-    `depth_mix_reference`. `recompute`: `input_norm` runs inside the recomputed region (the mix output is then not kept
-    either), after it otherwise. `one_operator`: the mix is one call of `depth_mix_operator` (compiled training, where
-    the config asks for it). -> sublayer input [B,T,d], depth weights [B,T,S] fp32
+    `block_logits` [B,T,n,H]: this sublayer's phase 1 where the layer ran it (`policy.shares_phase_one`), else None.
+    With `policy.recompute`, `input_norm` runs inside the recomputed region (the mix output is then not kept either),
+    after it otherwise. -> sublayer input [B,T,d], depth weights [B,T,S] fp32
     """
     depth = depth.window(options.window)
     learned = learned_parameters(head, options, depth.completed_inv_rms.device)
-    if one_operator:
+    if policy.one_operator:
         parameters = [parameter for parameter in learned if parameter is not None]  # in the order of `options.parts`
         mixed, weights = depth_mix_operator(
             list(depth.completed_blocks), depth.completed_inv_rms, depth.partial_sum, parameters, *astuple(options),
-            two_phase, scale_by_num_sources,
+            policy.backend, policy.scale_by_num_sources,
         )  # fmt: skip
         return input_norm(mixed), weights
+    backend = DEPTH_MIX_BACKENDS[policy.backend]
 
     def mix(learned, block_logits, partial_sum, completed_inv_rms, *completed_blocks):
         state = DepthState(completed_blocks, completed_inv_rms, partial_sum)
-        if two_phase:
-            mixed, weights = depth_mix_two_phase(state, learned, options, scale_by_num_sources, block_logits)
-        else:
-            mixed, weights = depth_mix_reference(state, learned, options, scale_by_num_sources)
-        return (input_norm(mixed) if recompute else mixed), weights
+        mixed, weights = backend(state, learned, options, policy.scale_by_num_sources, block_logits)
+        return (input_norm(mixed) if policy.recompute else mixed), weights
 
     depth_inputs = (depth.partial_sum, depth.completed_inv_rms, *depth.completed_blocks)
-    # The reference stacks its sources, the projected query normalises the latest one: both make copies
-    keeps_copies = recompute or not two_phase or options.query == "projected" or reads_copies(depth.sources())
+    # Only the two-phase mix reads its sources in place: the reference stacks them, the projected query normalises the
+    # latest one, and both make copies
+    in_place = policy.backend == "two_phase" and options.query != "projected" and not reads_copies(depth.sources())
+    keeps_copies = policy.recompute or not in_place
     sublayer_input, weights = recomputed(mix, learned, block_logits, *depth_inputs, keeps_copies=keeps_copies)
-    return (sublayer_input if recompute else input_norm(sublayer_input)), weights
+    return (sublayer_input if policy.recompute else input_norm(sublayer_input)), weights
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -632,7 +682,7 @@ def depth_attention(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class ResidualScale(nn.Module):
+class ResidualScale(RuleModule):
     """ReZero's scalar or LayerScale's per-channel vector on one sublayer's output (init: `initial_value`)."""
 
     def __init__(self, shape: tuple[int, ...], initial_value: float):
@@ -640,11 +690,14 @@ class ResidualScale(nn.Module):
         self.initial_value = initial_value
         self.weight = nn.Parameter(torch.full(shape, initial_value))
 
+    def init_weights(self, init) -> None:
+        init.constant_(self.weight, self.initial_value)
+
     def forward(self) -> torch.Tensor:
         return self.weight
 
 
-class HighwayGate(nn.Module):
+class HighwayGate(RuleModule):
     """The per-token gate g = sigmoid(w . h/rms(h) + b) of one sublayer, read from the stream h before it.
 
     w starts at zero and b at `INITIAL_BIAS`, so every token starts with the same gate, leaning to carry the stream
@@ -659,6 +712,10 @@ class HighwayGate(nn.Module):
         self.bias = nn.Parameter(torch.full((1,), self.INITIAL_BIAS))  # [1], not a scalar: FSDP2 shards dim 0
         self.eps = eps
 
+    def init_weights(self, init) -> None:
+        init.zeros_(self.weight)
+        init.constant_(self.bias, self.INITIAL_BIAS)
+
     def forward(self, stream: torch.Tensor) -> torch.Tensor:
         """[B,T,d] -> g [B,T,1] in the stream's dtype"""
         with fp32_region(stream):
@@ -667,7 +724,7 @@ class HighwayGate(nn.Module):
         return torch.sigmoid(logit).unsqueeze(-1).to(stream.dtype)
 
 
-class SourceWeights(nn.Module):
+class SourceWeights(RuleModule):
     """DenseFormer's learned static weights of one sublayer over its sources (embedding, then every earlier output),
     all 1 at init: the plain residual sum."""
 
@@ -675,11 +732,14 @@ class SourceWeights(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(num_sources))
 
+    def init_weights(self, init) -> None:
+        init.ones_(self.weight)
+
     def forward(self) -> torch.Tensor:
         return self.weight
 
 
-class HyperConnection(nn.Module):
+class HyperConnection(RuleModule):
     """mHC's connection of one sublayer to the m residual streams H [B,T,m,d] (paper Eqs. 7-8), or, with
     `writes=False`, the output aggregation's read of them.
 
@@ -713,6 +773,11 @@ class HyperConnection(nn.Module):
         self.weight = nn.Parameter(torch.zeros(rows, num_streams * hidden_size))
         self.gate = nn.Parameter(torch.full((3 if writes else 1,), self.INITIAL_GATE))
         self.bias = nn.Parameter(self.initial_bias())
+
+    def init_weights(self, init) -> None:
+        init.zeros_(self.weight)
+        init.constant_(self.gate, self.INITIAL_GATE)
+        init.copy_(self.bias, self.initial_bias())
 
     def initial_bias(self) -> torch.Tensor:
         """b at init: the read's logits give alpha = 2/(m+1) to `read_stream` and 1/(m+1) to each other stream; the
@@ -825,14 +890,14 @@ class DepthRule:
         return (None,) * len(heads)
 
     def read(
-        self, depth: DepthState, head: Head, norm: Callable, scores: torch.Tensor | None, flags: dict
+        self, depth: DepthState, head: Head, norm: Callable, scores: torch.Tensor | None, policy: DepthMixPolicy
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> the sublayer's input [B,T,d], its weights over the sources [B,T,S] (None where the rule has none)"""
         return norm(depth.partial_sum), None
 
-    def finish(self, depth: DepthState, head: Head, final_norm: Callable, flags: dict):
+    def finish(self, depth: DepthState, head: Head, final_norm: Callable, policy: DepthMixPolicy):
         """The model's output from the last depth state: a read by the output head, through the final norm."""
-        return self.read(depth, head, final_norm, None, flags)
+        return self.read(depth, head, final_norm, None, policy)
 
     def write(self, depth: DepthState, output: torch.Tensor, head: Head, norm: Callable) -> DepthState:
         """The depth state with the sublayer's output [B,T,d] joined."""
@@ -871,17 +936,17 @@ class AttnResRule(DepthRule):
             return (None,) * len(heads)
         return score_completed_blocks(depth, self.options, *heads)
 
-    def read(self, depth, head, norm, scores, flags):
-        return depth_attention(depth, head, self.options, norm, scores, **flags)
+    def read(self, depth, head, norm, scores, policy):
+        return depth_attention(depth, head, self.options, norm, scores, policy)
 
 
 class PostNormRule(DepthRule):
     """h <- norm(h + f(h)): the sublayer reads the stream as it is, which the norm of the last write has normalised."""
 
-    def read(self, depth, head, norm, scores, flags):
+    def read(self, depth, head, norm, scores, policy):
         return depth.partial_sum, None
 
-    def finish(self, depth, head, final_norm, flags):
+    def finish(self, depth, head, final_norm, policy):
         return final_norm(depth.partial_sum), None
 
     def write(self, depth, output, head, norm):
@@ -940,7 +1005,7 @@ class DenseFormerRule(DepthRule):
     def heads(self, config, sources, sublayer):
         return {"weights": SourceWeights(sources)}
 
-    def read(self, depth, head, norm, scores, flags):
+    def read(self, depth, head, norm, scores, policy):
         (source_weights,) = head
         partial = () if depth.partial_sum is None else (depth.partial_sum,)
         sources = depth.completed_blocks + partial
@@ -979,7 +1044,7 @@ class HyperConnectionRule(DepthRule):
     def start(self, config, embedding):
         return embedding.unsqueeze(-2).expand(*embedding.shape[:-1], config.attnres_num_streams, -1)
 
-    def read(self, depth, head, norm, scores, flags):
+    def read(self, depth, head, norm, scores, policy):
         (connection,) = head
         streams = depth.partial_sum
         parameters = [parameter.to(streams.device) for parameter in connection()]  # see score_completed_blocks

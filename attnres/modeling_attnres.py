@@ -40,15 +40,9 @@ from transformers.utils.deprecation import deprecate_kwarg
 from .configuration_attnres import FAMILIES, RECURRENT_LAYER_TYPES, AttnResConfig, Family, require_transformers
 from .depth_mixing import (
     DEPTH_RULES,
-    AttnResKeyNorm,
-    AttnResPseudoQuery,
-    AttnResQueryProjection,
-    AttnResSourceLogits,
+    DepthMixPolicy,
     DepthState,
-    HighwayGate,
-    HyperConnection,
-    ResidualScale,
-    SourceWeights,
+    RuleModule,
     mixes_in_one_operator,
 )
 
@@ -177,9 +171,9 @@ def sum_outputs(outputs: Iterable[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def depth_mix_flags(config: AttnResConfig, num_tokens: int = 2) -> dict[str, bool]:
-    """The settings of `depth_attention`, read from the config at every forward: setting them on a loaded model's
-    config takes effect, as `use_cache` does.
+def depth_mix_policy(config: AttnResConfig, num_tokens: int = 2) -> DepthMixPolicy:
+    """How the depth mixes run, read from the config at every forward: setting them on a loaded model's config takes
+    effect, as `use_cache` does. The backend is `attnres_implementation`'s.
 
     A step of one token per sequence (a decoding step) mixes directly, whatever the implementation: there the two
     phases cost more operations than they save (phase 1 scores a layer's two queries once, but the partial sum then
@@ -187,8 +181,8 @@ def depth_mix_flags(config: AttnResConfig, num_tokens: int = 2) -> dict[str, boo
     (SmolLM2-135M, 5 December 2026: 2183 aten operations per token for the source, 3951 in two phases, 3452 directly).
 
     `one_operator`: each mix is one opaque operator, where the config asks for it and a training step is compiling."""
-    return dict(
-        two_phase=config.attnres_implementation == "two_phase" and num_tokens > 1,
+    return DepthMixPolicy(
+        backend=config.attnres_implementation if num_tokens > 1 else "naive",
         scale_by_num_sources=config.attnres_scale_by_num_sources,
         recompute=config.attnres_recompute,
         one_operator=config.attnres_compiled_mix == "operator" and mixes_in_one_operator(),
@@ -289,7 +283,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         The cache (KV, or a hybrid's recurrent state) is in `kwargs` under `CACHE_NAME`, passed on to the token mixer as
         the installed version names it.
         """
-        family, flags, rule = self.family, depth_mix_flags(self.config, partial_sum.shape[1]), self.rule
+        family, policy, rule = self.family, depth_mix_policy(self.config, partial_sum.shape[1]), self.rule
         depth = DepthState(completed_blocks, completed_inv_rms, partial_sum)
         if self.attention_starts_block:
             depth = depth.close_block(self.config.attnres_eps)
@@ -299,19 +293,17 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         # Once for both sublayers (AttnRes's phase 1): the MLP's mix reads the same completed blocks as the
         # attention's (a block the MLP closes closes after its mix)
         attention_scores, mlp_scores = (
-            rule.score(depth, (attention_head, mlp_head))
-            if flags["two_phase"] and not flags["one_operator"]  # one operator mixes in two phases by itself
-            else (None,) * 2
+            rule.score(depth, (attention_head, mlp_head)) if policy.shares_phase_one else (None,) * 2
         )
 
         attention_input, attention_depth_weights = rule.read(
-            depth, attention_head, attention_norm, attention_scores, flags
+            depth, attention_head, attention_norm, attention_scores, policy
         )
         attention_output = self._mix_tokens(attention_input, attention_mask, position_embeddings, **kwargs)
         depth = rule.write(depth, self._sublayer_output(0, attention_output), attention_head, attention_norm)
 
         # In Full mode the MLP still reads the attention output as its partial sum, which closes after it
-        mlp_input, mlp_depth_weights = rule.read(depth, mlp_head, mlp_norm, mlp_scores, flags)
+        mlp_input, mlp_depth_weights = rule.read(depth, mlp_head, mlp_norm, mlp_scores, policy)
         if self.mlp_starts_block:
             depth = depth.close_block(self.config.attnres_eps)
         mlp_output = sum_outputs(getattr(self, name)(mlp_input) for name in self.mlp_parts)
@@ -403,19 +395,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
         return super()._flex_attn_can_dispatch(is_init_check)
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, (AttnResPseudoQuery, AttnResQueryProjection, AttnResSourceLogits)):
-            init.zeros_(module.weight)  # "all pseudo-query vectors must be initialized to zero" (paper §5)
-        elif isinstance(module, (AttnResKeyNorm, SourceWeights)):
-            init.ones_(module.weight)
-        elif isinstance(module, ResidualScale):
-            init.constant_(module.weight, module.initial_value)
-        elif isinstance(module, HighwayGate):
-            init.zeros_(module.weight)
-            init.constant_(module.bias, HighwayGate.INITIAL_BIAS)
-        elif isinstance(module, HyperConnection):
-            init.zeros_(module.weight)
-            init.constant_(module.gate, HyperConnection.INITIAL_GATE)
-            init.copy_(module.bias, module.initial_bias())
+        if isinstance(module, RuleModule):  # a rule's own parameters: its module knows their init
+            module.init_weights(init)
         else:
             family_model_cls = family_class(family_of(self.config), "PreTrainedModel")
             init_weights_as_family(family_model_cls, self.config.text_config, module)
@@ -545,7 +526,7 @@ class AttnResModel(AttnResPreTrainedModel):
         output_head = tuple(getattr(self, f"output_attn_res_{part}") for part in self.rule.output_parts)
         final_norm = getattr(self, family.final_norm)
         hidden_states, output_depth_weight = self.rule.finish(
-            depth, output_head, final_norm, depth_mix_flags(self.config, inputs_embeds.shape[1])
+            depth, output_head, final_norm, depth_mix_policy(self.config, inputs_embeds.shape[1])
         )
         return AttnResModelOutputWithPast(
             last_hidden_state=hidden_states,

@@ -23,6 +23,8 @@ CONTROL = {
     "long": "prenorm",
     "convert-tiny": "plain-cpt",
     "cpt-smollm2": "plain-cpt",
+    "rates": None,
+    "long12m": "prenorm",
 }
 # The paper's Table 4 (436M parameters, validation loss); our rule and ablation names (quality.ABLATIONS) as keys
 PAPER_TABLE4 = {
@@ -84,6 +86,17 @@ def paired_text(differences: list[float], digits: int = 4) -> str:
     if math.isnan(low):
         return f"{mean:+.{digits}f} (1 pair: no interval)"
     return f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}], p = {p:.2g} ({pairs(len(differences))})"
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjustment of `p_values` (one family of comparisons), in their order: the k-th smallest is
+    multiplied by (m - k + 1), and no adjusted value is below a smaller p's."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    adjusted, running = [math.nan] * len(p_values), 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
 
 
 def pairs(count: int) -> str:
@@ -269,6 +282,83 @@ def plot_gaps(runs: list[dict], study: str, path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# The evidence protocol: each rule's own rate on validation, the long runs scored once on the test split
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def rates_table(runs: list[dict]) -> str:
+    """Each rule's learning-rate grid with its final validation loss; the chosen rate, and whether it lies at the
+    grid's edge (the grid grows past an edge, a factor 2 at a time, up to the study's limit)."""
+    rows = []
+    groups = grouped_by_rule(runs, "rates")
+    for size, rule in sorted(groups, key=lambda key: (key[0], key[1] != "prenorm", key[1])):
+        group = groups[size, rule]
+        best = min(group, key=final_loss)
+        edge = best["lr"] in (group[0]["lr"], group[-1]["lr"])
+        for run in group:
+            chosen = " (chosen" + (", at the grid's edge)" if edge else ")") if run is best else ""
+            rows.append([size, run["label"], f"{run['lr']:g}{chosen}", f"{run['tokens']:,}",
+                         f"{run['curve'][len(run['curve']) // 2][1]:.4f}", f"{final_loss(run):.4f}"])  # fmt: skip
+    header = ["size", "rule", "learning rate", "tokens", "validation loss at half the run", "final validation loss"]
+    return table(header, rows) + "\n"
+
+
+def grouped_by_rule(runs: list[dict], study: str) -> dict[tuple[str, str], list[dict]]:
+    """(size, rule) -> its runs of `study`, by learning rate."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for run in runs:
+        if run["study"] == study:
+            groups[run["size"], run["rule"]].append(run)
+    return {key: sorted(group, key=lambda run: run["lr"]) for key, group in groups.items()}
+
+
+def test_loss(run: dict) -> float:
+    return run["test_loss"]
+
+
+def test_table(runs: list[dict], study: str) -> str:
+    """Each rule's test loss (scored once, at the end), paired with PreNorm's by seed, with raw and Holm-adjusted
+    p-values over the study's comparisons; the share of the held-out splits' text found in training."""
+    groups = grouped(runs, study)
+    parts = []
+    for size in sizes_of(groups):
+        variants = sorted((v for s, v in groups if s == size), key=lambda v: (v != "prenorm", v))
+        differences = {v: paired(groups, size, v, "prenorm", test_loss) for v in variants if v != "prenorm"}
+        tested = [v for v in variants if len(differences.get(v, [])) > 1]
+        adjusted = dict(zip(tested, holm([interval(differences[v])[3] for v in tested]), strict=True))
+        rows = []
+        for variant in variants:
+            group = groups[size, variant]
+            first = next(iter(group.values()))
+            rows.append([
+                first["label"], str(len(group)), f"{first['tokens']:,}", f"{first['lr']:g}",
+                spread([test_loss(run) for run in group.values()]),
+                "–" if variant == "prenorm" else paired_text(differences[variant]),
+                f"{adjusted[variant]:.2g}" if variant in adjusted else "–",
+                cpu_cost(groups, size, variant, "prenorm"),
+            ])  # fmt: skip
+        header = ["rule", "seeds", "tokens per run", "learning rate (own, on validation)", "test loss (mean ± sd)",
+                  "Δ vs PreNorm on test, same seed: mean [95% CI], p", "p, Holm over this table",
+                  "CPU s per step (vs PreNorm)"]  # fmt: skip
+        shared = [run["corpus"]["shared_with_train"] for group in groups.values() for run in group.values()]
+        overlap = ", ".join(
+            f"{split} {min(s[split] for s in shared):.1%} to {max(s[split] for s in shared):.1%}"
+            for split in ("validation", "test")
+        )
+        parts += [
+            f"**Size `{size}`**\n",
+            table(header, rows),
+            "",
+            f"Held-out text found verbatim in training ({runs[0]['corpus']['hold_out']['window_bytes']}-byte windows, "
+            f"over the seeds): {overlap}.",
+            "",
+            gap_table(groups, size),
+            "",
+        ]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Continued pretraining: the conversion study and SmolLM2
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -387,6 +477,11 @@ def blocks(runs: list[dict], expected: dict[str, int], docs: Path) -> dict[str, 
             picture = f"quality_{study}_gap.png"
             plot_gaps(runs, study, docs / picture)
             made[study] = scratch_table(runs, study) + f"\n![{title}: gap to PreNorm]({picture})\n"
+    if "rates" in found:
+        made["rates"] = rates_table(runs)
+    if "long12m" in found:
+        plot_gaps(runs, "long12m", docs / "quality_long12m_gap.png")
+        made["long12m"] = test_table(runs, "long12m") + "\n![12M bytes: gap to PreNorm](quality_long12m_gap.png)\n"
     if "convert-tiny" in found:
         plot_cpt(runs, "convert-tiny", "Conversion study: small PreNorm model continued on code",
                  docs / "quality_convert_tiny.png")  # fmt: skip

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from attnres import depth_mixing
 from attnres.depth_mixing import AttnResKeyNorm, AttnResPseudoQuery, DepthAttention, DepthState, depth_attention
-from attnres.modeling_attnres import depth_mix_flags
+from attnres.modeling_attnres import depth_mix_policy
 
 MODES = ["block", "full"]
 
@@ -122,9 +122,9 @@ def test_depth_logits_and_softmax_stay_fp32_under_autocast(implementation):
 
     def depth_weights():
         depth = DepthState(completed, inv_rms, partial_sum)
-        flags = depth_mix_flags(model.config)
+        policy = depth_mix_policy(model.config)
         head, options = (pseudo_query, key_norm), DepthAttention(eps=1e-6)
-        return depth_attention(depth, head, options, lambda mixed: mixed, None, **flags)[1]
+        return depth_attention(depth, head, options, lambda mixed: mixed, None, policy)[1]
 
     plain = depth_weights()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -230,7 +230,7 @@ def test_compiled_fullgraph_forward_and_training_step_equal_eager(mode, recomput
     assert_gradients_close(eager, gradients(model), 1e-5)
 
 
-def mix_operator_inputs(num_blocks: int, partial: bool, dtype=torch.float64, two_phase=True, **options) -> tuple:
+def mix_operator_inputs(num_blocks: int, partial: bool, dtype=torch.float64, backend="two_phase", **options) -> tuple:
     """Inputs of `depth_mix_operator`: random depth state and head parameters, and the settings."""
     generator = torch.Generator().manual_seed(num_blocks)
 
@@ -243,13 +243,13 @@ def mix_operator_inputs(num_blocks: int, partial: bool, dtype=torch.float64, two
     completed_inv_rms = (torch.rand(2, 3, num_blocks, generator=generator, dtype=dtype) + 0.5).requires_grad_()
     blocks = [random(2, 3, 8) for _ in range(num_blocks)]
     return blocks, completed_inv_rms, random(2, 3, 8) if partial else None, parameters, *astuple(attention), \
-        two_phase, True  # fmt: skip
+        backend, True  # fmt: skip
 
 
 MIX_OPERATOR_CASES = {
     "block": (3, True, {}),
     "embedding only": (1, False, {}),
-    "reference": (2, True, {"two_phase": False}),
+    "reference": (2, True, {"backend": "naive"}),
     "scalars": (2, True, {"query": "scalars"}),
     "projected, sigmoid, heads, no key norm": (
         2, True, {"query": "projected", "score": "sigmoid", "heads": 2, "key_norm": False},

@@ -16,15 +16,17 @@ from tiny import random_ids as tiny_random_ids
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
 import attnres
-from attnres.configuration_attnres import FAMILIES, SUPPORTED_FAMILIES
+from attnres.configuration_attnres import FAMILIES, IMPLEMENTATIONS, SUPPORTED_FAMILIES
 from attnres.depth_mixing import (
+    DEPTH_MIX_BACKENDS,
     AttnResKeyNorm,
     AttnResPseudoQuery,
+    AttnResQueryProjection,
+    AttnResSourceLogits,
     DepthAttention,
-    DepthParameters,
+    DepthMixPolicy,
     DepthState,
-    depth_mix_reference,
-    depth_mix_two_phase,
+    depth_attention,
     inverse_rms,
     score_completed_blocks,
 )
@@ -95,31 +97,63 @@ def test_two_phase_equals_direct_forward_and_gradients(family, mode, block_size,
         assert (naive_grads[name] - fast_grads[name]).abs().max().item() <= 1e-5, name
 
 
+BACKEND_CASES = {
+    "attnres": {},
+    "projected query, sigmoid": {"query": "projected", "score": "sigmoid"},
+    "scalars": {"query": "scalars"},
+    "4 heads, no key norm": {"heads": 4, "key_norm": False},
+    "window of 2": {"window": 2},
+}
+
+
+def random_head(options: DepthAttention, num_sources: int, generator: torch.Generator) -> tuple[torch.nn.Module, ...]:
+    """One sublayer's modules for `options`, in float64, at random values (not the init's zeros and ones)."""
+    modules = {
+        "proj": AttnResPseudoQuery(64),
+        "query_proj": AttnResQueryProjection(64),
+        "norm": AttnResKeyNorm(64, 1e-6),
+        "logits": AttnResSourceLogits(num_sources),
+    }
+    head = tuple(modules[part].double() for part in options.parts)
+    with torch.no_grad():
+        for module in head:
+            module.weight.uniform_(0.5, 1.5, generator=generator)
+            module.weight.mul_(torch.randn(module.weight.shape, generator=generator, dtype=torch.float64).sign())
+    return head
+
+
 @pytest.mark.parametrize("scale_by_num_sources", [False, True])
 @pytest.mark.parametrize("with_partial_sum", [True, False], ids=["partial-sum", "block-just-closed"])
-def test_two_phase_mix_equals_the_reference_called_alike(with_partial_sum, scale_by_num_sources):
-    """The depth-mix room's pair, called with the same arguments (float64: the same function), and with phase 1 run
-    once for two queries as a decoder layer runs it."""
+@pytest.mark.parametrize("case", BACKEND_CASES)
+@pytest.mark.parametrize("backend", sorted(set(DEPTH_MIX_BACKENDS) - {"naive"}) + ["operator"])
+def test_every_depth_mix_backend_equals_naive(backend, case, with_partial_sum, scale_by_num_sources):
+    """Each backend of the registry, run by `depth_attention` as a layer runs it (phase 1 shared by two sublayers where
+    the policy shares it; "operator": the one operator of compiled training around the two-phase backend), gives the
+    naive reference's sublayer input and depth weights, in float64 to rounding."""
     generator = torch.Generator().manual_seed(0)
-    blocks = tuple(torch.randn(2, 5, 64, generator=generator, dtype=torch.float64) * 3 for _ in range(3))
+    blocks = tuple(torch.randn(2, 5, 64, generator=generator, dtype=torch.float64) * 3 for _ in range(4))
     inv_rms = torch.stack([inverse_rms(block, 1e-6) for block in blocks], dim=-1)
     partial_sum = torch.randn(2, 5, 64, generator=generator, dtype=torch.float64) if with_partial_sum else None
     depth = DepthState(blocks, inv_rms, partial_sum)
-    heads = [(AttnResPseudoQuery(64).double(), AttnResKeyNorm(64, 1e-6).double()) for _ in range(2)]
-    options = DepthAttention(eps=1e-6)
+    options = DepthAttention(eps=1e-6, **BACKEND_CASES[case])
+    num_sources = len(depth.window(options.window).sources())
+    heads = [random_head(options, num_sources, generator) for _ in range(2)]
+    policy = DepthMixPolicy(backend, scale_by_num_sources, recompute=False, one_operator=False)
+    if backend == "operator":
+        policy = policy._replace(backend="two_phase", one_operator=True)
+    naive = policy._replace(backend="naive", one_operator=False)
     with torch.no_grad():
-        for pseudo_query, key_norm in heads:
-            pseudo_query.weight.normal_(generator=generator)
-            key_norm.weight.uniform_(0.5, 1.5, generator=generator)
-        layer_logits = score_completed_blocks(depth, options, *heads)
-        for (pseudo_query, key_norm), block_logits in zip(heads, layer_logits, strict=True):
-            learned = DepthParameters(pseudo_query=pseudo_query(), key_gain=key_norm())
-            arguments = (depth, learned, options, scale_by_num_sources)
-            expected_input, expected_weights = depth_mix_reference(*arguments)
-            for given_logits in (None, block_logits):
-                mixed, weights = depth_mix_two_phase(*arguments, given_logits)
-                torch.testing.assert_close(mixed, expected_input, rtol=0, atol=1e-12)
-                torch.testing.assert_close(weights, expected_weights, rtol=0, atol=1e-12)
+        layer_scores = policy.shares_phase_one and options.shares_phase_one  # as a decoder layer decides
+        shared = score_completed_blocks(depth, options, *heads) if layer_scores else (None, None)
+        for head, block_logits in zip(heads, shared, strict=True):
+            mixed, weights = depth_attention(depth, head, options, lambda x: x, block_logits, policy)
+            expected_input, expected_weights = depth_attention(depth, head, options, lambda x: x, None, naive)
+            torch.testing.assert_close(mixed, expected_input, rtol=0, atol=1e-12)
+            torch.testing.assert_close(weights, expected_weights, rtol=0, atol=1e-12)
+
+
+def test_the_configuration_offers_every_backend_of_the_registry():
+    assert set(IMPLEMENTATIONS) == set(DEPTH_MIX_BACKENDS)
 
 
 def depth_and_logit_gradients(model, ids, implementation: str) -> dict[str, torch.Tensor]:

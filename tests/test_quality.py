@@ -370,3 +370,12 @@ def test_the_evidence_protocol_chooses_on_validation_and_scores_the_test_split_o
         for part in ("train", "validation", "test")
     }
     assert names["test"] and not names["test"] & (names["train"] | names["validation"])
+
+
+def test_holm_adjusts_as_the_textbook_does():
+    """Holm (1979): the k-th smallest of m p-values times (m - k + 1), never below a smaller p's adjustment."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import quality_report
+
+    assert quality_report.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert quality_report.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
