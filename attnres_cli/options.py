@@ -359,3 +359,96 @@ NUMBER_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "lora_dropout": (lambda value: 0 <= value < 1, "at least 0 and below 1"),
     "seed": (lambda value: 0 <= value < 2**32, "between 0 and 2**32 - 1"),
 }
+
+
+@dataclass
+class CompareConfig:
+    """Options of `attnres compare`, one per field; `attnres.compare.compare(**options)` takes the same names.
+
+    Every arm of one study trains as `attnres train --convert --mode RULE --seed S` would, at the rates given here
+    (a study states every rate it uses: none is inherited from continued pretraining's defaults).
+    """
+
+    source: str = field(
+        metadata={"help": f"the model: a checkpoint folder or Hub id of a supported family, or {DEFAULT_SOURCE!r}"}
+    )
+    data: str = field(
+        metadata={
+            "help": "the documents: a folder of .txt files (one document each), a .jsonl file (one per line, "
+            "--text-field), a .txt file (documents separated by blank lines), or a datasets id",
+            "metavar": "DATA",
+        }
+    )
+    output_dir: str = field(
+        metadata={"help": "folder of the study: results.json, report.md, the splits and one run folder per arm"}
+    )
+    rules: str = field(
+        default="prenorm,block,full",
+        metadata={"help": f"comma-separated rules to compare, the baseline among them ({', '.join(MODES)})"},
+    )
+    baseline: str = field(default="prenorm", metadata={"help": "the rule every other is compared with, seed by seed"})
+    seeds: int = field(default=3, metadata={"help": "seeds per rule (0, 1, ...): each seed is a pair of arms"})
+    tokens: int = field(default=2_000_000, metadata={"help": "training tokens per arm (steps x batch x sequence)"})
+    from_scratch: bool = field(
+        default=False,
+        metadata={
+            "help": "train every arm from random weights of the source's architecture (the same weights for every "
+            "rule of a seed where they share them), not from the checkpoint; needed by rules that cannot start as "
+            f"the source computes ({', '.join(FROM_SCRATCH_ONLY)})"
+        },
+    )
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate of every arm's weights"})
+    attnres_lr: float | None = field(
+        default=None, metadata={"help": "learning rate of the rules' own parameters (default: --lr)"}
+    )
+    seq_len: int = field(default=256, metadata={"help": "tokens per training sequence"})
+    batch_size: int = field(default=8, metadata={"help": "sequences per optimizer step"})
+    evaluations: int = field(default=10, metadata={"help": "validation evaluations along each arm's run"})
+    eval_sequences: int = field(default=64, metadata={"help": "validation sequences scored at each evaluation"})
+    held_out_documents: int = field(
+        default=8, metadata={"help": "documents of the validation split and of the test split, at least"}
+    )
+    held_out_bytes: int = field(
+        default=64 * 1024, metadata={"help": "bytes of the validation split and of the test split, at least"}
+    )
+    max_shared: float = field(
+        default=0.1,
+        metadata={
+            "help": "the most of a held-out document's 32-byte windows that may occur in other documents: templated "
+            "near-duplicates stay in training"
+        },
+    )
+    text_field: str = field(default="text", metadata={"help": "field of a .jsonl or datasets corpus holding the text"})
+    trust_remote_code: bool = field(default=False, metadata={"help": TRUST_REMOTE_CODE_HELP})
+    overwrite: bool = field(
+        default=False, metadata={"help": "start the study afresh where OUTPUT_DIR holds one with other settings"}
+    )
+
+    def __post_init__(self):
+        for name in ("seeds", "tokens", "seq_len", "batch_size", "evaluations", "eval_sequences", "held_out_documents"):
+            if getattr(self, name) < 1:
+                raise OptionError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise OptionError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.max_shared <= 1:
+            raise OptionError(f"--max-shared is a share of a document's windows, from 0 to 1; got {self.max_shared}")
+        unknown = [rule for rule in self.rule_list() if rule not in MODES]
+        if unknown:
+            raise OptionError(f"--rules {self.rules}: no rule {', '.join(unknown)}; choose among {', '.join(MODES)}")
+        if self.baseline not in self.rule_list():
+            raise OptionError(f"--baseline {self.baseline} is not among --rules {self.rules}: add it to --rules")
+        if len(self.rule_list()) < 2:
+            raise OptionError(f"--rules {self.rules}: a comparison needs the baseline and at least one other rule")
+        cannot_start = [rule for rule in self.rule_list() if rule in FROM_SCRATCH_ONLY]
+        if cannot_start and not self.from_scratch:
+            raise OptionError(
+                f"{', '.join(cannot_start)} cannot start as the source computes, so it cannot continue the checkpoint: "
+                "add --from-scratch to train every arm from random weights, or drop it from --rules"
+            )
+        if self.tokens < self.seq_len * self.batch_size:
+            raise OptionError(
+                f"--tokens {self.tokens} is less than one step ({self.batch_size} x {self.seq_len} tokens): raise it"
+            )
+
+    def rule_list(self) -> list[str]:
+        return [rule.strip() for rule in self.rules.split(",") if rule.strip()]

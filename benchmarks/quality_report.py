@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
-from scipy import stats
+
+from attnres.compare import holm
+from attnres.compare import paired_interval as interval
 
 CONTROL = {
     "sweep": None,
@@ -65,19 +67,6 @@ def spread(values: list[float], digits: int = 4) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def interval(differences: list[float]) -> tuple[float, float, float, float]:
-    """(mean, 95% low, 95% high, two-sided p) of paired differences, by Student's t; NaN where n < 2."""
-    n, mean = len(differences), statistics.mean(differences)
-    if n < 2:
-        return mean, math.nan, math.nan, math.nan
-    sd = statistics.stdev(differences)
-    if sd == 0:
-        return mean, mean, mean, 0.0 if mean else 1.0
-    half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
-    p = 2 * stats.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1)
-    return mean, mean - half, mean + half, p
-
-
 def paired_text(differences: list[float], digits: int = 4) -> str:
     """'-0.0521 [-0.1029, -0.0013], p = 0.047 (3 pairs)': the paired difference as every table and sentence gives it."""
     if not differences:
@@ -86,17 +75,6 @@ def paired_text(differences: list[float], digits: int = 4) -> str:
     if math.isnan(low):
         return f"{mean:+.{digits}f} (1 pair: no interval)"
     return f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}], p = {p:.2g} ({pairs(len(differences))})"
-
-
-def holm(p_values: list[float]) -> list[float]:
-    """Holm's step-down adjustment of `p_values` (one family of comparisons), in their order: the k-th smallest is
-    multiplied by (m - k + 1), and no adjusted value is below a smaller p's."""
-    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
-    adjusted, running = [math.nan] * len(p_values), 0.0
-    for rank, index in enumerate(order):
-        running = max(running, min(1.0, (len(p_values) - rank) * p_values[index]))
-        adjusted[index] = running
-    return adjusted
 
 
 def pairs(count: int) -> str:

@@ -279,12 +279,14 @@ class ReadOptions(argparse.Namespace):
         return super().__getattribute__(name)
 
 
-@pytest.mark.parametrize("command", ["convert", "eval", "train"])
+@pytest.mark.parametrize("command", ["convert", "eval", "train", "compare"])
 def test_every_option_reaches_the_function_that_runs_the_command(command, monkeypatch, tmp_path):
     """The function that runs a command reads every option its parser makes: an option that reached nothing would be
     ignored without a word."""
+    from attnres import compare
     from attnres.training import loop
 
+    monkeypatch.setattr(compare, "compare", lambda config: {"runs": [], "comparisons": []})
     monkeypatch.setattr(conversion, "convert_checkpoint", lambda *args, **options: None)
     monkeypatch.setattr(harness, "evaluate", lambda *args, **options: SimpleNamespace(to_markdown=lambda: ""))
     monkeypatch.setattr(loop, "train", lambda config: loop.TrainingResult(tmp_path, 1, {}, False, None))
@@ -292,6 +294,7 @@ def test_every_option_reaches_the_function_that_runs_the_command(command, monkey
         "convert": ["convert", str(model_folder(tmp_path / "source")), str(tmp_path / "out")],
         "eval": ["eval", "default"],
         "train": ["train", "--output-dir", str(tmp_path / "run")],
+        "compare": ["compare", str(model_folder(tmp_path / "model")), "--data", "docs", "--output-dir", "study"],
     }[command]
     args = ReadOptions(cli.parse_args(argv))
     module, function = cli.COMMANDS[command].run.split(":")
