@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnres
+from attnres.compat.torch_private import dispatch_mode_base, tensor_leaves
 from attnres.configuration_attnres import COMPILED_MIXES, RESIDUAL_RULES
 from attnres.conversion import DTYPES, attnres_config_for, convert_to_attnres
 from attnres.modeling_attnres import CACHE_NAME
@@ -210,6 +210,9 @@ def decode(model: torch.nn.Module, prompt: torch.Tensor, world: str) -> Callable
     return lambda: model.generate(prompt, **settings)
 
 
+TorchDispatchMode = dispatch_mode_base()  # torch keeps it in a private module: through the seam
+
+
 class OperationCounter(TorchDispatchMode):
     """Counts the aten operations run inside it: what an eager decode step pays per operation, whatever its size."""
 
@@ -247,7 +250,7 @@ class TrafficCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         output = func(*args, **(kwargs or {}))
-        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, output)) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in tensor_leaves((args, kwargs, output)) if isinstance(t, torch.Tensor)]
         self.bytes += sum(t.nbytes for t in tensors if t.untyped_storage().data_ptr() not in self.weights)
         return output
 
@@ -627,7 +630,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"measuring {name} / {mode} / {world} / autocast {autocast} ...", file=sys.stderr, flush=True)
                     # Each row compiles its own models: dynamo's recompile limit (8) would otherwise count the
                     # compilations of every row's models together, and stop the third compiled row (`--modes all`)
-                    torch._dynamo.reset()
+                    torch.compiler.reset()
                     rows.append(benchmark_row(name, mode, world, autocast, args))
     result = {"environment": environment(args), "rows": rows}
     print(json.dumps(result["environment"]))

@@ -86,6 +86,7 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig, Llama
 import attnres
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.auto import is_attnres_parameter
+from attnres.compat.accelerate_private import use_the_cpu
 from attnres.folders import lock_held, read_metrics, written_whole
 from attnres.sources import DEFAULT_SOURCE, load_source_tokenizer
 from attnres.splits import WINDOW_BYTES, HoldOut, split_documents, write_split
@@ -1135,7 +1136,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{run.id:40} {'done' if done else '-':5} {run.label}")
         return 0
     torch.set_num_threads(args.threads)
-    os.environ["ACCELERATE_USE_CPU"] = "1"  # the same device, and so the same numbers, as the committed runs
+    use_the_cpu()  # the same device, and so the same numbers, as the committed runs
     if args.smoke:
         corpus, name = smoke_corpus(args.work / "smoke-corpus"), "smoke"
     elif args.corpus is not None:

@@ -1,10 +1,12 @@
 """Every reach into another library's private parts is behind a seam: attnres/compat/, one module per library, and the
 seam block at the top of configuration_attnres.py and modeling_attnres.py, which travel alone as remote code.
 
-The scan reads the package's source and fails, naming file and line, where another library's private part is named
-anywhere else: a name with a leading underscore that the package does not define itself (an attribute, also by name
-in `getattr`; an import; a keyword argument; a method or class attribute that overrides one of a library's base
-classes), and the few parts without one that a library keeps for itself (`INTERNAL_NAMES`, `INTERNAL_WRITES`,
+The scan reads the source of the package, the benchmarks and the scripts, and fails, naming file and line, where
+another library's private part is named anywhere else: a name with a leading underscore that the package does not
+define itself (an attribute, also by name in `getattr`, by a name built from a leading underscore, or as a key of
+`vars(...)` or `__dict__`; an import, also by `importlib.import_module`; a keyword argument; a method or class
+attribute that overrides one of a library's base classes), and the few parts without one that a library keeps for
+itself (`INTERNAL_NAMES`, `INTERNAL_WRITES`,
 `INTERNAL_ENVIRONMENT`). Then one test per seam checks that the installed release still has what the seam reaches for,
 so that a release that removes one fails here the day it is out."""
 
@@ -27,6 +29,7 @@ from attnres.modeling_attnres import MODEL_HOOKS, REFUSES_STATEFUL_ASSISTED_DECO
 
 ROOT = Path(__file__).parents[1]
 PACKAGES = (ROOT / "attnres", ROOT / "attnres_cli")
+SCANNED = (*PACKAGES, ROOT / "benchmarks", ROOT / "scripts")  # the package, and the code that runs beside it
 SEAMS = (ROOT / "attnres" / "compat", ROOT / "attnres_cli" / "argparse_private.py")  # the package's, the command's
 MODEL_FILES = {"configuration_attnres.py", "modeling_attnres.py"}  # their seam: the block headed "# Seam:"
 
@@ -50,6 +53,7 @@ INTERNAL_ENVIRONMENT = {"ACCELERATE_USE_CPU"}  # set by `accelerate launch --cpu
 
 
 ATTRIBUTE_BUILTINS = {"getattr", "hasattr", "setattr", "delattr"}
+IMPORTERS = {"import_module", "__import__"}  # importlib's and the builtin: a module by name
 
 
 def is_private(name: str) -> bool:
@@ -58,6 +62,27 @@ def is_private(name: str) -> bool:
 
 def package_files() -> list[Path]:
     return sorted(path for package in PACKAGES for path in package.rglob("*.py"))
+
+
+def scanned_files() -> list[Path]:
+    return sorted(path for folder in SCANNED for path in folder.rglob("*.py"))
+
+
+def leading_text(node: ast.expr) -> str | None:
+    """The text a computed name starts with, where the expression shows it: an f-string's or a sum's first literal."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values:
+        return leading_text(node.values[0])
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return leading_text(node.left)
+    return None
+
+
+def is_namespace_of(node: ast.expr) -> bool:
+    """Whether `node` is an object's attribute namespace: `vars(x)` or `x.__dict__`."""
+    is_vars = isinstance(node, ast.Call) and getattr(node.func, "id", None) == "vars"
+    return is_vars or (isinstance(node, ast.Attribute) and node.attr == "__dict__")
 
 
 def own_names(trees: list[ast.Module]) -> set[str]:
@@ -135,6 +160,19 @@ def private_reaches(tree: ast.Module, own: set[str], overridden: set[str], hooks
             name = node.args[1].value if isinstance(node.args[1], ast.Constant) else None
             if isinstance(name, str) and foreign(name):
                 reaches.append((node.lineno, f"{node.func.id}(..., {name!r})"))
+            start = leading_text(node.args[1]) if name is None else None
+            if start is not None and is_private(start + "x"):  # a name built from a leading underscore
+                reaches.append((node.lineno, f"{node.func.id}(..., computed {start!r}...)"))
+        elif isinstance(node, ast.Call) and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) in (
+            IMPORTERS
+        ):
+            module = leading_text(node.args[0]) if node.args else None
+            if module is not None and any(is_private(part) for part in module.split(".")):
+                reaches.append((node.lineno, f"import of {module} by name"))
+        elif isinstance(node, ast.Subscript) and is_namespace_of(node.value):
+            key = node.slice.value if isinstance(node.slice, ast.Constant) else None
+            if isinstance(key, str) and foreign(key):
+                reaches.append((node.lineno, f"[{key!r}] of an attribute namespace"))
         elif isinstance(node, ast.keyword) and node.arg is not None and foreign(node.arg):
             reaches.append((node.lineno, f"{node.arg}="))
         elif isinstance(node, ast.Constant) and node.value in INTERNAL_NAMES:
@@ -147,7 +185,7 @@ def private_reaches(tree: ast.Module, own: set[str], overridden: set[str], hooks
 
 
 def test_no_private_part_of_another_library_is_named_outside_a_seam():
-    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in package_files()}
+    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in scanned_files()}
     own, overridden = own_names(list(trees.values())), overridden_names()
     outside = []
     for path, tree in trees.items():
@@ -184,20 +222,30 @@ def _helper():
     os.environ["ACCELERATE_USE_CPU"] = "false"
     state.fsdp_plugin = plugin
     cached_file(path, _raise_exceptions_for_missing_entries=False)
+    importlib.import_module("torch._dynamo").reset()
+    getattr(model, f"_{name}"), getattr(model, "_hf_" + name), vars(model)["_modules"], model.__dict__["_buffers"]
+    getattr(model, f"{name}_res_proj"), vars(args)["seed"]
     return getattr(parameter, "ds_shape", None), state.fsdp_plugin, hasattr(model, "_hf_peft_config_loaded")
 """
-    assert scan(source) == [
-        "import of torch._dynamo",
-        "import of capture_outputs",
-        "import of _hidden",
-        "Model._init_weights (a hook of a base class)",
-        "._attn_implementation_internal",
-        "['ACCELERATE_USE_CPU'] =",
-        ".fsdp_plugin",
-        "_raise_exceptions_for_missing_entries=",
-        "hasattr(..., '_hf_peft_config_loaded')",
-        "'ds_shape'",
-    ]
+    assert sorted(scan(source)) == sorted(
+        [
+            "import of torch._dynamo",
+            "import of capture_outputs",
+            "import of _hidden",
+            "Model._init_weights (a hook of a base class)",
+            "._attn_implementation_internal",
+            "['ACCELERATE_USE_CPU'] =",
+            ".fsdp_plugin",
+            "_raise_exceptions_for_missing_entries=",
+            "import of torch._dynamo by name",
+            "getattr(..., computed '_'...)",
+            "getattr(..., computed '_hf_'...)",
+            "['_modules'] of an attribute namespace",
+            "['_buffers'] of an attribute namespace",
+            "hasattr(..., '_hf_peft_config_loaded')",
+            "'ds_shape'",
+        ]
+    )
     assert (
         scan("class M(Base):\n    def _init_weights(self):\n        super()._init_weights()\n", {"_init_weights"}) == []
     )

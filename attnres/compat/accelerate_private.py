@@ -26,6 +26,16 @@ def hand_fsdp_to_state(accelerator: Accelerator, plugin: FullyShardedDataParalle
 
 def leave_device_to_deepspeed() -> None:
     """Tell the Accelerator made next not to place this process on the CPU itself (DeepSpeed's CPU accelerator does)."""
+    set_use_cpu("false")
+
+
+def use_the_cpu() -> None:
+    """Tell the Accelerators of this process to run on the CPU whatever accelerator the machine has, as `accelerate
+    launch --cpu` does (the quality study's runs: the same device, and so the same numbers, everywhere)."""
+    set_use_cpu("1")
+
+
+def set_use_cpu(value: str) -> None:
     read = '"ACCELERATE_USE_CPU"' in inspect.getsource(AcceleratorState)
     require(read, accelerate, "AcceleratorState that reads the ACCELERATE_USE_CPU variable")
-    os.environ["ACCELERATE_USE_CPU"] = "false"
+    os.environ["ACCELERATE_USE_CPU"] = value
