@@ -309,6 +309,22 @@ ATTNRES_OPTIONS = {
     ),
 }
 IMPLEMENTATIONS = ("two_phase", "naive")
+DEFAULT_NUM_STREAMS = 4
+# mHC's projections may outweigh the source this many times at most: beyond, the stream count is a typo or out of
+# memory (1000 streams on SmolLM2-135M would need 4e12 parameters)
+MAX_STREAM_PARAMETERS_RATIO = 4
+# The keys of `attnres_saved_layout` (`AttnResConfig.depth_layout`)
+LAYOUT_KEYS = ("attnres_mode", "attnres_block_size", "attnres_num_streams", *ATTNRES_OPTIONS)
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 COMPILED_MIXES = ("inline", "operator")
 DEFAULT_NUM_BLOCKS = 8
 
@@ -414,8 +430,9 @@ class AttnResConfig(PreTrainedConfig):
             eager mode are the same either way. Read at every forward, like `use_cache`.
         attnres_num_streams (`int`, defaults to 4):
             The number m of residual streams of `"mhc"` mode (the paper's expansion rate n), at least 2. Each
-            sublayer's projection holds (m + 2) * m^2 * hidden_size parameters (96 * hidden_size at m = 4). Ignored
-            by the other rules.
+            sublayer's projection holds (m + 2) * m^2 * hidden_size parameters (96 * hidden_size at m = 4); a count
+            whose projections would outweigh the source model more than `MAX_STREAM_PARAMETERS_RATIO` times is
+            refused. An option of `"mhc"` only: another value under another rule is refused.
         attnres_query (`str`, defaults to `"pseudo"`):
             Block and Full AttnRes: what scores the sources. `"pseudo"`: the paper's learned pseudo-query w.
             `"projected"` (ablation): an input-dependent query w + W RMSNorm(v) / hidden_size per token, v the latest
@@ -453,7 +470,7 @@ class AttnResConfig(PreTrainedConfig):
     attnres_scale_init: float | None = None
     attnres_recompute: bool = False
     attnres_compiled_mix: str = "inline"
-    attnres_num_streams: int = 4
+    attnres_num_streams: int = DEFAULT_NUM_STREAMS
     attnres_query: str = "pseudo"
     attnres_score: str = "softmax"
     attnres_key_norm: bool = True
@@ -467,11 +484,33 @@ class AttnResConfig(PreTrainedConfig):
         _check_family(self.text_config)
         # The flag lives in the text config of the source; the tying machinery reads it from the top-level config.
         self.tie_word_embeddings = self.tie_word_embeddings or self.text_config.tie_word_embeddings
+        self.check_attnres()
+        self._check_saved_layout()
+
+    def save_pretrained(self, *args, **kwargs):
+        # Before transformers opens config.json: `to_dict` checks too, but only once the file is open for writing
+        self.check_attnres()
+        return super().save_pretrained(*args, **kwargs)
+
+    def check_attnres(self) -> None:
+        """Check every AttnRes setting, whichever way it arrived (the constructor, config.json, `from_pretrained`'s
+        keyword overrides, which transformers sets after construction, or an assignment), and fill in the defaults
+        that depend on the source (block size, eps). The model checks again when it is built, and `to_dict` (which
+        saving and printing go through) before it writes. Raises `AttnResConfigError` naming the setting, its value
+        and what it takes."""
         num_layers = self.text_config.num_hidden_layers
-        if self.attnres_mode not in MODES:
+        if not isinstance(self.attnres_mode, str) or self.attnres_mode not in MODES:
             raise AttnResConfigError(f"attnres_mode: got {self.attnres_mode!r}, expected one of {MODES}.")
-        if self.attnres_scale_init is not None and not math.isfinite(self.attnres_scale_init):
-            raise AttnResConfigError(f"attnres_scale_init: got {self.attnres_scale_init!r}, expected a finite float.")
+        for name in ("attnres_scale_by_num_sources", "attnres_recompute"):
+            if not isinstance(getattr(self, name), bool):
+                raise AttnResConfigError(f"{name}: got {getattr(self, name)!r}, expected true or false.")
+        if self.attnres_scale_init is not None and not _is_real(self.attnres_scale_init):
+            raise AttnResConfigError(f"attnres_scale_init: got {self.attnres_scale_init!r}, expected a finite number.")
+        if self.attnres_recompute and self.attnres_mode not in ATTNRES_MODES:
+            raise AttnResConfigError(
+                f"attnres_recompute: True recomputes AttnRes's depth mix, which attnres_mode={self.attnres_mode!r} "
+                "has none of: drop it (mHC recomputes its stream reads and writes always)."
+            )
         if self.attnres_implementation not in IMPLEMENTATIONS:
             raise AttnResConfigError(
                 f"attnres_implementation: got {self.attnres_implementation!r}, expected one of {IMPLEMENTATIONS}."
@@ -482,22 +521,49 @@ class AttnResConfig(PreTrainedConfig):
             )
         if self.attnres_block_size is None:
             self.attnres_block_size = math.ceil(num_layers / DEFAULT_NUM_BLOCKS)
-        if not isinstance(self.attnres_block_size, int) or not 1 <= self.attnres_block_size <= num_layers:
+        if not _is_integer(self.attnres_block_size) or not 1 <= self.attnres_block_size <= num_layers:
             raise AttnResConfigError(
                 f"attnres_block_size: got {self.attnres_block_size!r}, expected an integer number of decoder layers "
                 f"per block from 1 to num_hidden_layers={num_layers}."
             )
-        if not isinstance(self.attnres_num_streams, int) or self.attnres_num_streams < 2:
-            raise AttnResConfigError(
-                f"attnres_num_streams: got {self.attnres_num_streams!r}, expected an integer number of mHC residual "
-                "streams of at least 2 (one stream is the plain residual stream: attnres_mode='prenorm')."
-            )
+        self._check_streams()
         self._check_options()
         if self.attnres_eps is None:
             self.attnres_eps = getattr(self.text_config, FAMILIES[self.text_config.model_type].norm_eps_key)
-        if not self.attnres_eps > 0:
-            raise AttnResConfigError(f"attnres_eps: got {self.attnres_eps!r}, expected a positive float.")
-        self._check_saved_layout()
+        if not _is_real(self.attnres_eps) or not self.attnres_eps > 0:
+            raise AttnResConfigError(f"attnres_eps: got {self.attnres_eps!r}, expected a positive number.")
+        layout = self.attnres_saved_layout
+        if layout is not None and not (isinstance(layout, dict) and set(layout) <= set(LAYOUT_KEYS)):
+            raise AttnResConfigError(
+                f"attnres_saved_layout: got {layout!r}, expected the dict of {', '.join(LAYOUT_KEYS)} that AttnRes "
+                "writes when it saves: put back the one the folder was saved with, or remove the key."
+            )
+
+    def _check_streams(self) -> None:
+        """mHC's stream count: an integer of at least 2, within memory, and set only under mHC."""
+        streams = self.attnres_num_streams
+        if not _is_integer(streams) or streams < 2:
+            raise AttnResConfigError(
+                f"attnres_num_streams: got {streams!r}, expected an integer number of mHC residual streams of at "
+                "least 2 (one stream is the plain residual stream: attnres_mode='prenorm')."
+            )
+        if self.attnres_mode != "mhc":
+            if streams != DEFAULT_NUM_STREAMS:
+                raise AttnResConfigError(
+                    f"attnres_num_streams: {streams} is an option of attnres_mode='mhc', not of "
+                    f"attnres_mode={self.attnres_mode!r}: drop it, or set attnres_mode='mhc'."
+                )
+            return
+        text = self.text_config
+        hidden, layers = text.hidden_size, text.num_hidden_layers
+        added = (2 * layers + 1) * streams * (streams + 2) * streams * hidden  # each connection's projection
+        source = layers * 12 * hidden**2 + text.vocab_size * hidden  # about: attention, MLP, embedding
+        if added > MAX_STREAM_PARAMETERS_RATIO * source:
+            raise AttnResConfigError(
+                f"attnres_num_streams: {streams} streams add {added:,} parameters ({added * 4 / 1e9:.1f} GB in "
+                f"float32), over {MAX_STREAM_PARAMETERS_RATIO}x the source model's ~{source:,}: the paper uses 4; "
+                "choose fewer streams."
+            )
 
     def _check_options(self) -> None:
         """The ablation options: each of its values, on the modes it applies to, in combinations that mean something."""
@@ -511,7 +577,7 @@ class AttnResConfig(PreTrainedConfig):
                     f"{name}: {value!r} is an option of {modes}, not of attnres_mode={self.attnres_mode!r}: drop it, "
                     f"or set {modes}."
                 )
-            valid = value in option.choices if option.choices else isinstance(value, int) and value >= 1
+            valid = value in option.choices if option.choices else _is_integer(value) and value >= 1
             if not valid or isinstance(value, bool) != isinstance(option.default, bool):
                 expected = f"one of {option.choices}" if option.choices else "a positive integer"
                 raise AttnResConfigError(f"{name}: got {value!r}, expected {expected}.")
@@ -548,8 +614,7 @@ class AttnResConfig(PreTrainedConfig):
         if saved is None or saved == layout:
             return
         # The rule first: under another rule the block size means nothing
-        keys = ("attnres_mode", "attnres_block_size", "attnres_num_streams", *ATTNRES_OPTIONS)
-        key = next(key for key in keys if saved.get(key) != layout.get(key))
+        key = next(key for key in LAYOUT_KEYS if saved.get(key) != layout.get(key))
         default = ATTNRES_OPTIONS[key].default if key in ATTNRES_OPTIONS else None  # an option absent: its default
         edited, made_with = f"{key}={getattr(self, key)!r}", f"{key}={saved.get(key, default)!r}"
         raise AttnResConfigError(
@@ -560,6 +625,8 @@ class AttnResConfig(PreTrainedConfig):
         )
 
     def to_dict(self) -> dict:
+        # Checked first: a setting changed since construction is never written (saving goes through here)
+        self.check_attnres()
         # The layout travels with every saved config, so that a later edit of config.json is caught at load.
         return super().to_dict() | {"attnres_saved_layout": self.depth_layout()}
 

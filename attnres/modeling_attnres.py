@@ -37,8 +37,16 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .configuration_attnres import FAMILIES, RECURRENT_LAYER_TYPES, AttnResConfig, Family, require_transformers
+from .configuration_attnres import (
+    FAMILIES,
+    RECURRENT_LAYER_TYPES,
+    AttnResConfig,
+    AttnResConfigError,
+    Family,
+    require_transformers,
+)
 from .depth_mixing import (
+    DEPTH_MIX_BACKENDS,
     DEPTH_RULES,
     DepthMixPolicy,
     DepthState,
@@ -181,6 +189,11 @@ def depth_mix_policy(config: AttnResConfig, num_tokens: int = 2) -> DepthMixPoli
     (SmolLM2-135M, 5 December 2026: 2183 aten operations per token for the source, 3951 in two phases, 3452 directly).
 
     `one_operator`: each mix is one opaque operator, where the config asks for it and a training step is compiling."""
+    if config.attnres_implementation not in DEPTH_MIX_BACKENDS:  # set on a loaded model's config
+        raise AttnResConfigError(
+            f"attnres_implementation: got {config.attnres_implementation!r}, expected one of "
+            f"{tuple(DEPTH_MIX_BACKENDS)}."
+        )
     return DepthMixPolicy(
         backend=config.attnres_implementation if num_tokens > 1 else "naive",
         scale_by_num_sources=config.attnres_scale_by_num_sources,
@@ -365,6 +378,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
     }
 
     def __init__(self, config: AttnResConfig, *inputs, **kwargs):
+        config.check_attnres()  # what `from_pretrained(folder, attnres_...=...)` or an assignment set since
         super().__init__(config, *inputs, **kwargs)
         share_backends(config)  # the source family's modules read their own (text) config
 

@@ -46,7 +46,7 @@ from .options import (
     CompareConfig,
     TrainingConfig,
     add_rule_arguments,
-    check_block_size,
+    check_rule_options,
     rule_options,
     size_in_bytes,
 )
@@ -319,7 +319,7 @@ COMMANDS = {
         "gradients through depth, optionally against the PreNorm source on the same axes.",
         add_analyze_arguments,
         "attnres.analysis:run_analyze",
-        models=(("model", None), ("baseline", "baseline_gguf_file")),
+        models=(("model", None), ("baseline", "baseline_gguf_file"), ("compare", None)),
         requires=("matplotlib",),
     ),
     "eval": Command(
@@ -474,7 +474,7 @@ def check_values(args: argparse.Namespace) -> None:
     if getattr(args, "max_shard_size", None) is not None:
         size_in_bytes(args.max_shard_size)
     if args.command == "convert":  # train's options check themselves (TrainingConfig)
-        check_block_size(args.mode, args.block_size)
+        check_rule_options(args.mode, args.block_size, args)
     text = getattr(args, "text", None)
     if text is not None and not Path(text).is_file():
         raise OptionError(f"--text {text}: no such file")
@@ -495,10 +495,11 @@ def check_models(command: Command, args: argparse.Namespace) -> None:
         model = getattr(args, name)
         if model is None and args.command == "train":
             model = DEFAULT_SOURCE  # what `attnres train` starts from without --model
-        if model is not None:
-            gguf_file = getattr(args, gguf_name) if gguf_name else None
-            location, gguf_file = resolve_source(model, gguf_file, offline=getattr(args, "offline", None))
-            trust_remote_code_for(location, args.trust_remote_code, gguf_file)
+        for each in model if isinstance(model, list) else [model]:  # `analyze --compare A B` names several
+            if each is not None:
+                gguf_file = getattr(args, gguf_name) if gguf_name else None
+                location, gguf_file = resolve_source(each, gguf_file, offline=getattr(args, "offline", None))
+                trust_remote_code_for(location, args.trust_remote_code, gguf_file)
 
 
 @contextmanager

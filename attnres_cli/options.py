@@ -145,10 +145,27 @@ def size_in_bytes(size: str) -> int:
     return value
 
 
-def check_block_size(mode: str, block_size: int | None) -> None:
-    """`--block-size` counts the decoder layers in a block of Block AttnRes: OptionError with any other `--mode`."""
+# The rules that add no parameter of their own: `--train attnres` would train nothing
+PARAMETERLESS_MODES = ("prenorm", "postnorm")
+# The rules each rule option applies to (the configuration's ATTNRES_OPTIONS modes, and mHC's stream count)
+DEPTH_ATTENTION_MODES = ("block", "full")
+OPTION_MODES = dict.fromkeys(("query", "score", "no_key_norm", "depth_heads"), DEPTH_ATTENTION_MODES) | {
+    "window": ("full",),
+    "num_streams": ("mhc",),
+}
+
+
+def check_rule_options(mode: str, block_size: int | None, options) -> None:
+    """`--block-size` and the rule options (of `options`, a namespace or TrainingConfig) apply to some rules only:
+    OptionError naming the option and the rules it applies to where `--mode` is another."""
     if mode != "block" and block_size is not None:
         raise OptionError(f"--block-size sets the layers per block of Block AttnRes; --mode {mode} has none")
+    for dest, modes in OPTION_MODES.items():
+        if getattr(options, dest) not in (None, False) and mode not in modes:
+            raise OptionError(
+                f"--{dest.replace('_', '-')} is an option of --mode {' or '.join(modes)}; --mode {mode} has none: "
+                "drop it"
+            )
 
 
 @dataclass
@@ -328,7 +345,17 @@ class TrainingConfig:
                 "--mode, --block-size, --from-scratch and the rule options (--query, --score, --no-key-norm, "
                 "--depth-heads, --window, --num-streams) choose how --convert converts: add --convert, or drop them"
             )
-        check_block_size(self.mode, self.block_size)
+        check_rule_options(self.mode, self.block_size, self)
+        if self.train == "attnres" and self.convert and self.mode in PARAMETERLESS_MODES:
+            raise TrainingError(
+                f"--train attnres trains the rule's own parameters, and --mode {self.mode} has none: train all "
+                "weights (--train all), or choose a rule with parameters"
+            )
+        if self.attnres_recompute and self.convert and self.mode not in DEPTH_ATTENTION_MODES:
+            raise TrainingError(
+                f"--attnres-recompute recomputes the depth mix of Block and Full AttnRes; --mode {self.mode} has "
+                "none: drop it"
+            )
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
             raise TrainingError(
                 f"--stop-at-step must be between 1 and --max-steps ({self.max_steps}), got {self.stop_at_step}"

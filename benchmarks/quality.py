@@ -913,8 +913,8 @@ def kernel_environment(argv: list[str]) -> dict[str, str]:
     were pinned (its JSON records no "kernels"), the kernels the machine picks by itself, as that run had them."""
     args = parse_args(argv)
     environment = dict(os.environ)
-    if args.reproduce is not None and args.reproduce.is_file():
-        if json.loads(args.reproduce.read_text()).get("kernels") is None:
+    if args.reproduce is not None:
+        if load_result(args.reproduce).get("kernels") is None:
             for name in PINNED_KERNELS:
                 environment.pop(name, None)
             return environment
@@ -1045,12 +1045,45 @@ def check_corpus(setting: Setting, committed: dict[str, Any], path: Path) -> Non
         )
 
 
+# What a result holds, by type, for --reproduce to read it
+RESULT_FIELDS = {"id": str, "seed": int, "lr": (int, float), "options": dict, "curve": list, "torch_threads": int}
+
+
+def load_result(path: Path) -> dict[str, Any]:
+    """The results JSON at `path`, checked to be a JSON object with an id and a corpus: QualityError otherwise."""
+    if not path.is_file():
+        raise QualityError(f"--reproduce {path}: no such file; pass a results JSON (benchmarks/results/RUN.json)")
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise QualityError(f"--reproduce {path}: not JSON ({error}); pass a results JSON") from None
+    if not (isinstance(result, dict) and isinstance(result.get("id"), str) and isinstance(result.get("corpus"), dict)):
+        raise QualityError(f"--reproduce {path}: not a result of this study (a JSON object with its id and corpus)")
+    return result
+
+
+def check_result(result: dict[str, Any], path: Path) -> None:
+    """The fields --reproduce reads, each of its type, and a curve of [tokens, loss] points: QualityError otherwise."""
+    for name, kind in RESULT_FIELDS.items():
+        value = result.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise QualityError(
+                f"--reproduce {path}: its {name!r} is {value!r}, which no result holds; the file is damaged"
+            )
+    points = result["curve"]
+    if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) for v in p) for p in points):
+        raise QualityError(f"--reproduce {path}: its curve is not a list of [tokens, loss] points; the file is damaged")
+
+
 def reproduce(
     setting: Setting, path: Path, tokens: int, runs: dict[str, RunSpec], other_cpu: bool = False
-) -> list[list[float]]:
-    """Re-run the run of `path` (a results JSON) from its start up to `tokens` -> its held-out points up to there."""
-    committed = json.loads(path.read_text())
+) -> tuple[list[list[float]], str | None]:
+    """Re-run the run of `path` (a results JSON) from its start up to `tokens` -> its held-out points up to there,
+    and where they should be the committed ones to the bit (a run with pinned kernels, on its kind of CPU) but are
+    not, what differs."""
+    committed = load_result(path)
     check_corpus(setting, committed, path)
+    check_result(committed, path)
     check_kernels(committed, path, other_cpu)
     run = runs.get(committed["id"])
     if run is None or run.options != committed["options"]:
@@ -1075,12 +1108,16 @@ def reproduce(
     expected = [point for point in committed["curve"] if point[0] <= tokens]
     differences = [abs(a[1] - b[1]) for a, b in zip(points, expected, strict=False)]
     same = [a[0] for a in points] == [b[0] for b in expected]
+    largest = max(differences, default=0.0)
     print(
         f"{len(points)} points; {'the same token counts' if same else 'OTHER token counts'} as {path.name}, "
-        f"largest loss difference {max(differences, default=0.0):.3g}",
+        f"largest loss difference {largest:.3g}",
         file=sys.stderr,
     )
-    return points
+    bitwise = committed.get("kernels") is not None and committed.get("cpu") == cpu_name() and not other_cpu
+    if bitwise and (not same or largest > 0):
+        return points, f"{path.name} did not reproduce: largest loss difference {largest:.3g}, where it should be 0"
+    return points, None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1137,11 +1174,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     use_the_cpu()  # the same device, and so the same numbers, as the committed runs
+    if args.smoke and args.corpus is not None:
+        raise QualityError("--smoke runs on generated text: drop --corpus, or drop --smoke")
     if args.smoke:
         corpus, name = smoke_corpus(args.work / "smoke-corpus"), "smoke"
     elif args.corpus is not None:
         if not (args.corpus / "docs").is_dir():
             raise QualityError(f"--corpus {args.corpus}: expected a folder with a docs/ subfolder of .txt documents")
+        needs_code = [
+            run.id for run in chosen if run.options["dataset"] == "code" or "unseen-code" in run.final_evaluations
+        ]
+        if needs_code and not (args.corpus / "code").is_dir():
+            raise QualityError(
+                f"--corpus {args.corpus} has no code/ subfolder, which {needs_code[0]} (and {len(needs_code) - 1} "
+                "more) reads: add one, or choose other runs with --only"
+            )
         corpus, name = args.corpus.resolve(), str(args.corpus)
     else:
         corpus, name = pinned_corpus(args.work / "corpus"), CORPUS.name
@@ -1152,8 +1199,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.reproduce is not None:
         with tempfile.TemporaryDirectory(prefix="quality-reproduce-") as work:
             setting.work = Path(work)
-            points = reproduce(setting, args.reproduce, args.reproduce_tokens, runs, args.other_cpu)
+            points, mismatch = reproduce(setting, args.reproduce, args.reproduce_tokens, runs, args.other_cpu)
         print(json.dumps(points))
+        if mismatch is not None:
+            print(f"quality.py: error: {mismatch}", file=sys.stderr)
+            return 1
         return 0
     return run_all(setting, chosen, runs)
 

@@ -327,6 +327,15 @@ def test_a_missing_folder_is_named(path, tmp_path, nothing_loads):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("compared", [["./missing"], ["{model}", "/no/such/model"]])
+def test_each_compared_model_of_analyze_is_checked_like_the_model(compared, tmp_path, nothing_loads):
+    model = model_folder(tmp_path / "model")
+    compared = [path.format(model=model) for path in compared]
+    exit_code, _, error = run_cli("analyze", model, "--compare", *compared, "--output", tmp_path / "out")
+    assert exit_code == 1 and error == f"attnres analyze: error: no such folder: {compared[-1]}\n"
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_file_is_not_a_model_folder(tmp_path, nothing_loads):
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     exit_code, _, error = run_cli("convert", tmp_path / "model.gguf", tmp_path / "out")

@@ -379,3 +379,55 @@ def test_holm_adjusts_as_the_textbook_does():
 
     assert quality_report.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert quality_report.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+
+
+def refused_line(*arguments: str) -> str:
+    """quality.py's stderr for arguments it must refuse: one line, exit status 1."""
+    done = subprocess.run([sys.executable, str(BENCHMARK), *arguments], capture_output=True, text=True)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    return done.stderr
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "not a result of this study"),
+        (None, "no such file"),
+        ('{"id": "table4-small-block-seed0", "corpus": {}}', "made before the corpus was pinned"),
+    ],
+)
+def test_a_file_that_is_not_a_result_is_refused_in_one_line(content, words, tmp_path):
+    path = tmp_path / "result.json"
+    if content is not None:
+        path.write_text(content)
+    arguments = ["--smoke", "--work", str(tmp_path), "--reproduce", str(path), "--reproduce-tokens", "1"]
+    assert words in refused_line(*arguments)
+
+
+def test_a_damaged_result_and_an_edited_curve_are_refused(smoke, tmp_path):
+    """A field of the wrong type is named in one line; a curve edited by 0.5 does not reproduce, and says so with
+    exit status 1 (a pinned run on its kind of CPU reproduces to the bit)."""
+    committed = json.loads((smoke / "results" / "table4-small-block-seed0.json").read_text())
+    work = ["--smoke", "--work", str(smoke / "runs"), "--results", str(smoke / "results")]
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(json.dumps(committed | {"curve": "1.2, 1.1"}))
+    tokens = str(committed["curve"][1][0])
+    assert "its 'curve' is '1.2, 1.1'" in refused_line(*work, "--reproduce", str(damaged), "--reproduce-tokens", tokens)
+    edited = tmp_path / "edited.json"
+    curve = [list(point) for point in committed["curve"]]
+    curve[1][1] += 0.5
+    edited.write_text(json.dumps(committed | {"curve": curve}))
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), *work, "--reproduce", str(edited), "--reproduce-tokens", tokens],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 1 and "did not reproduce: largest loss difference 0.5" in done.stderr
+
+
+def test_a_corpus_the_chosen_runs_cannot_use_is_refused_at_start(tmp_path):
+    (tmp_path / "corpus" / "docs").mkdir(parents=True)
+    assert "drop --corpus, or drop --smoke" in refused_line("--smoke", "--corpus", str(tmp_path / "corpus"))
+    words = "has no code/ subfolder, which convert-tiny-plain-cpt-seed0"
+    arguments = ["--corpus", str(tmp_path / "corpus"), "--only", "convert-tiny-*", "--work", str(tmp_path)]
+    assert words in refused_line(*arguments)
