@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from attnres_cli.errors import DataError, OptionError
@@ -219,6 +220,17 @@ def training_config(config: CompareConfig, rule: str, seed: int, split: Path, fo
 
 
 @torch.no_grad()
+def held_out_loss(model, sequences, batch_size: int, name: str) -> float:
+    """Mean next-token loss over equal-length sequences (each batch weighted by its size), as training scores it."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in tqdm(DataLoader(sequences.with_format("torch"), batch_size=batch_size), desc=f"Held-out, {name}"):
+        input_ids = batch["input_ids"]
+        total += model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item() * len(input_ids)
+        count += len(input_ids)
+    return total / count
+
+
 def test_loss(folder: Path, options: TrainingConfig) -> float:
     """The trained arm's mean next-token loss over every sequence its test split packs into."""
     from transformers import AutoModelForCausalLM
@@ -226,16 +238,11 @@ def test_loss(folder: Path, options: TrainingConfig) -> float:
     from .sources import load_source_tokenizer
     from .training import build_datasets
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = load_source_tokenizer(str(folder))
     test_options = dataclasses.replace(options, eval_split="test", max_eval_sequences=10**9, resume=False)
-    sequences = build_datasets(test_options, tokenizer, num_processes=1)[1].with_format("torch")
-    total, count = 0.0, 0
-    for start in range(0, len(sequences), options.batch_size):
-        input_ids = sequences[start : start + options.batch_size]["input_ids"]
-        total += model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item() * len(input_ids)
-        count += len(input_ids)
-    return total / count
+    sequences = build_datasets(test_options, tokenizer, num_processes=1)[1]
+    return held_out_loss(model, sequences, options.batch_size, "test")
 
 
 def run_arm(config: CompareConfig, study: Path, rule: str, seed: int, split: Path) -> dict[str, Any] | None:

@@ -79,13 +79,12 @@ from typing import Any
 import torch
 import transformers
 from datasets import Dataset
-from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 import attnres
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.auto import is_attnres_parameter
+from attnres.compare import held_out_loss
 from attnres.compat.accelerate_private import use_the_cpu
 from attnres.folders import lock_held, read_metrics, written_whole
 from attnres.sources import DEFAULT_SOURCE, load_source_tokenizer
@@ -622,18 +621,6 @@ def corpus_record(setting: "Setting", kind: str, seed: int, three_way: bool = Fa
         record["too_shared"] = made["too_shared"]
         record["hold_out"] = made["hold_out"] | {"window_bytes": made["window_bytes"]}
     return record
-
-
-@torch.no_grad()
-def held_out_loss(model: PreTrainedModel, sequences: Dataset, batch_size: int, name: str) -> float:
-    """Mean next-token loss over equal-length sequences (each batch weighted by its size), as training scores it."""
-    model.eval()
-    total, count = 0.0, 0
-    for batch in tqdm(DataLoader(sequences.with_format("torch"), batch_size=batch_size), desc=f"Held-out, {name}"):
-        input_ids = batch["input_ids"]
-        total += model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item() * len(input_ids)
-        count += len(input_ids)
-    return total / count
 
 
 # --------------------------------------------------------------------------------------------------------------------
