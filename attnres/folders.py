@@ -5,10 +5,12 @@ Nothing here imports the rest of the package, so every module can use it.
 """
 
 import errno
+import fcntl
 import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -211,8 +213,8 @@ def disk_space_for(
 @contextmanager
 def output_lock(path: Path, error: type[Exception]) -> Iterator[None]:
     """Hold `path` (an output file or folder) for this process while a command writes it: a lock file beside it,
-    `.NAME.lock`, made atomically with the process id in it and removed at the end. A second command on the same
-    output is refused with `error`; a lock whose process is gone (killed) is taken over."""
+    `.NAME.lock` (see `lock_held`), removed at the end. A second command on the same output is refused with `error`;
+    a lock whose process is gone (killed) is taken."""
     check_can_be_made(path, error)
     path = path.resolve()  # `.` and `out/` have a name too
     with lock_held(path.with_name(f".{path.name}.lock")) as owner:
@@ -226,35 +228,51 @@ def output_lock(path: Path, error: type[Exception]) -> Iterator[None]:
 
 @contextmanager
 def lock_held(lock: Path) -> Iterator[int | None]:
-    """Take the lock file `lock` for this process: made atomically with the process id in it, removed at the end, and
-    taken over from a process that is gone (killed) -> None when taken, else the live process that holds it."""
+    """Take the lock file `lock` for this process -> None when taken, else the process id of the live holder.
+
+    The lock is an advisory `flock` on the file, which the system drops when its process ends, however it ends: a lock
+    left by a killed process is simply taken. The holder's process id is written in the file for messages; the file is
+    removed at the end."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     while True:
+        descriptor = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            yield lock_owner(lock)
+            return
+        if is_same_file(descriptor, lock):
             break
-        except FileExistsError:
-            owner = lock_owner(lock)
-            if owner is not None:
-                yield owner
-                return
-            lock.unlink(missing_ok=True)  # left by a process that is gone
+        os.close(descriptor)  # its holder removed the file between our open and our lock: lock the new one
+    os.ftruncate(descriptor, 0)
     os.write(descriptor, str(os.getpid()).encode())
-    os.close(descriptor)
     try:
         yield None
     finally:
-        lock.unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)  # before the unlock, so that no one locks a file that is about to go
+        os.close(descriptor)
 
 
-def lock_owner(lock: Path) -> int | None:
-    """The live process that holds `lock`, or None when the lock is stale (its process is gone, or it is unreadable)."""
+def is_same_file(descriptor: int, path: Path) -> bool:
+    """Whether the open file `descriptor` is still the file at `path`."""
     try:
-        owner = int(lock.read_text().strip() or 0)
-        os.kill(owner, 0)  # signal 0: only whether the process exists
-    except (ValueError, OSError) as failure:
-        return owner if isinstance(failure, PermissionError) else None  # another user's live process
-    return owner if owner > 0 else None
+        return os.path.samestat(os.fstat(descriptor), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def lock_owner(lock: Path) -> int:
+    """The process id written in a held `lock`: 0 while the holder has not written it yet."""
+    for _ in range(20):
+        try:
+            owner = int(lock.read_text().strip() or 0)
+        except (OSError, ValueError):
+            owner = 0
+        if owner:
+            return owner
+        time.sleep(0.05)  # the holder writes its id right after it takes the lock
+    return 0
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:

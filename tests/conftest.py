@@ -1,5 +1,9 @@
 import os
 import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import datasets
@@ -40,3 +44,30 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@pytest.fixture
+def lock_held_elsewhere() -> Callable[[Path], AbstractContextManager[int]]:
+    """`with lock_held_elsewhere(lock) as pid:` another live process holds the lock file `lock` (as a second attnres
+    process would) until the block ends."""
+
+    @contextmanager
+    def held(lock: Path) -> Iterator[int]:
+        holder = (
+            "import pathlib, sys\n"
+            "from attnres.folders import lock_held\n"
+            "with lock_held(pathlib.Path(sys.argv[1])) as owner:\n"
+            "    print(owner, flush=True)\n"
+            "    sys.stdin.read()\n"
+        )
+        process = subprocess.Popen(
+            [sys.executable, "-c", holder, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert process.stdout.readline().strip() == "None", "the lock was not free"
+            yield process.pid
+        finally:
+            process.stdin.close()  # the holder reads to the end, releases the lock and exits
+            process.wait(timeout=60)
+
+    return held

@@ -265,17 +265,18 @@ def test_the_pinned_corpus_is_the_same_bytes_on_every_machine(tmp_path):
         assert quality.content_hash(files, corpus / kind) == sha256, kind
 
 
-def test_a_run_held_by_a_live_process_is_left_to_it(tmp_path):
+def test_a_run_held_by_a_live_process_is_left_to_it(tmp_path, lock_held_elsewhere):
     setting = quality.Setting(tmp_path, tmp_path, tmp_path, "smoke", smoke=True, threads=1, command="")
     with quality.claimed(setting, "some-run") as first:
         with quality.claimed(setting, "some-run") as second:
             assert first and not second
-    (tmp_path / "held-run.lock").write_text(str(os.getppid()))  # a live process: the one that started pytest
-    with quality.claimed(setting, "held-run") as taken:
-        assert not taken
-    (tmp_path / "other-run.lock").write_text("999999999")  # a process that is gone
+    with lock_held_elsewhere(tmp_path / "held-run.lock"):
+        with quality.claimed(setting, "held-run") as taken:
+            assert not taken
+    (tmp_path / "other-run.lock").write_text("999999999")  # left by a process that was killed
     with quality.claimed(setting, "other-run") as taken:
         assert taken
+    assert not (tmp_path / "other-run.lock").exists()
 
 
 def test_workers_started_together_prepare_shared_files_once(tmp_path):

@@ -576,15 +576,16 @@ def test_resume_passes_by_empty_and_damaged_checkpoints(checkpoints, data_files,
     assert resumed.step == 4 and resumed.metrics["loss"] == pytest.approx(straight.metrics["loss"], abs=1e-6)
 
 
-def test_two_runs_on_one_output_folder_one_is_refused(checkpoints, data_files, tmp_path):
+def test_two_runs_on_one_output_folder_one_is_refused(checkpoints, data_files, tmp_path, lock_held_elsewhere):
     """A live process holds the folder: the second run is refused in one line and writes nothing; a lock left by a
     process that is gone is taken over, and the run removes it at the end."""
     lock = tmp_path / ".out.lock"
-    lock.write_text(str(os.getppid()))  # a live process: the one that started pytest
-    with pytest.raises(TrainingError, match=rf"{tmp_path / 'out'} is being written by another attnres process"):
-        run(tmp_path / "out", checkpoints["attnres"], data_files["small"])
+    with lock_held_elsewhere(lock) as holder:
+        refusal = rf"{tmp_path / 'out'} is being written by another attnres process \(pid {holder}\)"
+        with pytest.raises(TrainingError, match=refusal):
+            run(tmp_path / "out", checkpoints["attnres"], data_files["small"])
     assert not (tmp_path / "out").exists()
-    lock.write_text("999999999")  # gone
+    lock.write_text("999999999")  # left by a process that was killed
     assert run(tmp_path / "out", checkpoints["attnres"], data_files["small"], max_steps=1).step == 1
     assert not lock.exists()
 
