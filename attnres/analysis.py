@@ -16,10 +16,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from attnres_cli.errors import AnalysisError
-
 from .configuration_attnres import FAMILIES, AttnResConfig
 from .depth_mixing import read_streams, write_coefficients, write_streams
+from .errors import AnalysisError
 from .folders import check_output_dir, output_lock, replace_fix, written_whole
 from .modeling_attnres import AttnResForCausalLM
 from .verification import SAMPLE_TEXT

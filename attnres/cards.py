@@ -14,8 +14,9 @@ from transformers import PreTrainedConfig
 
 from . import __version__
 from .auto import added_parameter_count
-from .configuration_attnres import ATTNRES_MODES, RESIDUAL_RULES, AttnResConfig
+from .configuration_attnres import AttnResConfig
 from .modeling_attnres import AttnResForCausalLM
+from .rules import ATTNRES_MODES, RULES
 from .sources import DEFAULT_MODEL_GGUF_FILE, DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE
 from .verification import VerificationReport
 
@@ -129,7 +130,7 @@ def rule_layout(config: AttnResConfig) -> str:
     num_layers = config.text_config.num_hidden_layers
     num_output_sources = config.num_sources()[-1]
     if config.attnres_mode not in ATTNRES_MODES:
-        return f"{RESIDUAL_RULES[config.attnres_mode].label}, over {num_layers} decoder layers (not AttnRes)."
+        return f"{RULES[config.attnres_mode].label}, over {num_layers} decoder layers (not AttnRes)."
     if config.attnres_mode == "full":
         window = config.attnres_window
         outputs = "every sublayer output" if window is None else f"the {window} latest sublayer outputs"

@@ -33,12 +33,11 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from attnres_cli.errors import DataError, OptionError
-from attnres_cli.options import CompareConfig, TrainingConfig
-
 from . import __version__
 from .data import check_utf8_text
+from .errors import DataError, OptionError
 from .folders import check_output_dir, output_lock, read_metrics, remove, written_whole
+from .options import CompareConfig, TrainingConfig
 from .splits import DocumentSplit, HoldOut, split_documents, write_split
 
 logger = logging.getLogger(__name__)

@@ -4,28 +4,29 @@
 AttnRes settings. Attributes of the source architecture (`hidden_size`, `vocab_size`, ...) read through to
 `text_config`, so code written for the source model keeps working on `model.config`.
 
-It also holds `FAMILIES`, the table of the source families AttnRes supports: data only, so that a config is checked
-without torch. This file is copied next to the weights as remote code: it imports only `transformers`, `packaging`
-(which transformers requires) and the standard library.
+It checks a config against `FAMILIES` (families.py, the source families AttnRes supports) and `RULES` (rules.py, the
+depth-mixing rules and their options), both data. This file is copied next to the weights as remote code, with the
+files it imports: it imports only `transformers`, `packaging` (which transformers requires), the standard library and
+those two.
 """
 
 import math
-from dataclasses import dataclass, field
 
 import transformers
 from packaging.version import Version
 
+from .families import ENCODER, FAMILIES, OLDEST_TRANSFORMERS, PARALLEL, POST_NORM, REFUSED_FAMILIES, SUPPORTED_FAMILIES
+from .rules import ATTNRES_MODES, ATTNRES_OPTIONS, DEFAULT_NUM_STREAMS, MODES, OPTION_MODES, RULE_OPTIONS, RULES
+
 # --------------------------------------------------------------------------------------------------------------------
-# Seam: transformers' private parts. This file, modeling_attnres.py and depth_mixing.py travel without the attnres
-# package (whose seams are attnres/compat/), to whatever transformers a Hub user has; what they take of transformers
-# that transformers keeps for itself is in this block and the one at the top of modeling_attnres.py, each part checked,
-# so that a release without it stops with the version needed (tests/test_seams.py holds the files to that).
+# Seam: transformers' private parts. This file, modeling_attnres.py and depth_mixing.py (with families.py and rules.py,
+# data) travel without the attnres package (whose seams are attnres/compat/), to whatever transformers a Hub user has;
+# what they take of transformers that transformers keeps for itself is in this block and the one at the top of
+# modeling_attnres.py, each part checked, so that a release without it stops with the version needed
+# (tests/test_seams.py holds the files to that).
 # --------------------------------------------------------------------------------------------------------------------
 
-# Stop at import, naming the fix, where these files cannot run: before 5.20 transformers has no `SubConfigSpec`,
-# which this config is built on. From it on, saved models generate the same tokens as on the newest
-# (tests/test_remote_code_versions.py).
-OLDEST_TRANSFORMERS = "5.20.0"
+# Stop at import, naming the fix, where these files cannot run (see OLDEST_TRANSFORMERS)
 if Version(transformers.__version__) < Version(OLDEST_TRANSFORMERS):
     raise ImportError(
         f"AttnRes models need transformers>={OLDEST_TRANSFORMERS}, found {transformers.__version__}: "
@@ -50,271 +51,15 @@ require_transformers(hasattr(configuration_utils, "SubConfigSpec"), "configurati
 SubConfigSpec = configuration_utils.SubConfigSpec
 
 # --------------------------------------------------------------------------------------------------------------------
-# The family table
+# The settings: their bounds, and the checks of a config (the families and the rules are families.py's and rules.py's)
 # --------------------------------------------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class Family:
-    """How to build one source family's modules and run the two sublayers of its decoder layer: data, which
-    modeling_attnres.py acts on.
-
-    Every family is PreNorm in the sense AttnRes needs: each sublayer reads the residual stream (through its input norm,
-    if it has one) and adds its output to it. Where families differ, a field below names the difference.
-    """
-
-    module_name: str  # transformers.models.<module_name>.modeling_<module_name>
-    class_prefix: str  # e.g. "Qwen3Moe" for Qwen3MoeDecoderLayer, Qwen3MoeRMSNorm, ...
-    # None: the sublayer reads the stream itself (OLMo-2/3, EXAONE-4 normalise only outputs); it then needs
-    # `attnres_scale_by_num_sources` to read the plain sum rather than the mean at zero queries.
-    attention_input_norm: str | None = "input_layernorm"
-    attention_output_norm: str | None = None  # Gemma2/3's sandwich norms normalise the sublayer outputs too
-    mlp_input_norm: str | None = "post_attention_layernorm"
-    mlp_output_norm: str | None = None
-    # Phi-3: the (attention, MLP) dropout modules applied to the sublayer outputs before the residual add
-    output_dropouts: tuple[str, str] | None = None
-    scaled_embedding: bool = False  # Gemma2/3 multiply the token embedding by sqrt(hidden_size)
-    rope_per_layer_type: bool = False  # Gemma3, OLMo-3: separate RoPE parameters for sliding and full attention layers
-    num_experts_key: str | None = None  # MoE families with a load-balancing loss: the config field of the experts count
-    mlp_returns_tuple: bool = False  # GPT-OSS: the MLP returns (output, router scores)
-    # Granite's scalars, as config fields: the embedding is multiplied by one, each sublayer output by another before
-    # the residual add, and the logits are divided by a third
-    embedding_multiplier_key: str | None = None
-    residual_multiplier_key: str | None = None
-    logits_divisor_key: str | None = None
-    # Gemma2: sdpa cannot softcap the attention logits. Its own models declare so from transformers 5.21 on; on 5.20
-    # they ran sdpa without the softcapping, which a saved model must not do there either.
-    supports_sdpa: bool = True
-    # Hybrids: the attribute of the token mixer by layer type (`layer_types`), where it is not `self_attn`. The mixers
-    # of the recurrent layer types (RECURRENT_LAYER_TYPES) take the cache and a 2D padding mask and return their output
-    # alone; attention takes RoPE and returns (output, weights).
-    token_mixers: dict[str, str] = field(default_factory=dict)
-    # The decoder layer class by layer type, where a family has one per type (Jamba: "AttentionDecoderLayer", ...)
-    decoder_layers: dict[str, str] = field(default_factory=dict)
-    layer_type_argument: bool = False  # Bamba: the decoder layer takes its type as `layer_type`
-    # The MLP sublayer: the sum of these modules' outputs, those the layer has (GraniteMoeHybrid: routed experts plus
-    # a shared MLP, the experts absent where the config has none)
-    mlp: tuple[str, ...] = ("mlp",)
-    final_norm: str = "norm"  # LFM2: embedding_norm
-    norm_eps_key: str = "rms_norm_eps"  # LFM2: norm_eps
-    rotary_embedding: bool = True  # Kimi Linear, Jamba: their attention layers have no RoPE
-    # GraniteMoeHybrid: RoPE only where this config field has this value (Granite 4.0 checkpoints have none)
-    rope_switch: tuple[str, str] | None = None
-    # The oldest transformers whose modules of the family these files can call: the hybrids' recurrent mixers take the
-    # cache as `cache` from 5.24 on (before, each named it its own way)
-    oldest_transformers: str = OLDEST_TRANSFORMERS
-
-
-# Sandwich-norm layers: input and output norms around both sublayers (Gemma2, Gemma3)
-SANDWICH_NORMS = dict(
-    attention_output_norm="post_attention_layernorm",
-    mlp_input_norm="pre_feedforward_layernorm",
-    mlp_output_norm="post_feedforward_layernorm",
-)
-# Output norms only, no input norm (OLMo-2, OLMo-3, EXAONE-4)
-OUTPUT_NORMS_ONLY = dict(
-    attention_input_norm=None,
-    attention_output_norm="post_attention_layernorm",
-    mlp_input_norm=None,
-    mlp_output_norm="post_feedforward_layernorm",
-)
-HYBRIDS_TRANSFORMERS = "5.24.0"
-# LFM2's names: `conv` layers, the operator and feed-forward norms, and a final norm named for the embedding
-LFM2_LAYOUT = dict(
-    attention_input_norm="operator_norm",
-    mlp_input_norm="ffn_norm",
-    token_mixers={"conv": "conv"},
-    mlp=("feed_forward",),
-    final_norm="embedding_norm",
-    norm_eps_key="norm_eps",
-    oldest_transformers=HYBRIDS_TRANSFORMERS,
-)
-# Bamba's and Jamba's names: `mamba` layers, a pre-feed-forward norm and a final layer norm
-MAMBA_LAYOUT = dict(
-    mlp_input_norm="pre_ff_layernorm",
-    token_mixers={"linear_attention": "mamba"},
-    mlp=("feed_forward",),
-    final_norm="final_layernorm",
-    oldest_transformers=HYBRIDS_TRANSFORMERS,
-)
-
-# The source families whose decoder layers AttnRes rewires, by the `model_type` of their text config: the one
-# declaration of them. The configuration checks a config against its keys (without torch); the model builds and runs
-# the family's modules from its rows.
-FAMILIES = {
-    "llama": Family("llama", "Llama"),
-    "mistral": Family("mistral", "Mistral"),
-    "qwen2": Family("qwen2", "Qwen2"),
-    "qwen3": Family("qwen3", "Qwen3"),
-    "qwen3_moe": Family("qwen3_moe", "Qwen3Moe", num_experts_key="num_experts"),
-    "mixtral": Family("mixtral", "Mixtral", num_experts_key="num_local_experts"),
-    "gemma3_text": Family("gemma3", "Gemma3", **SANDWICH_NORMS, scaled_embedding=True, rope_per_layer_type=True),
-    "ministral": Family("ministral", "Ministral"),
-    "ministral3": Family("ministral3", "Ministral3"),
-    "smollm3": Family("smollm3", "SmolLM3"),
-    "phi3": Family("phi3", "Phi3", output_dropouts=("resid_attn_dropout", "resid_mlp_dropout")),
-    "granite": Family(
-        "granite",
-        "Granite",
-        embedding_multiplier_key="embedding_multiplier",
-        residual_multiplier_key="residual_multiplier",
-        logits_divisor_key="logits_scaling",
-    ),
-    "glm4": Family(
-        "glm4", "Glm4", attention_output_norm="post_self_attn_layernorm", mlp_output_norm="post_mlp_layernorm"
-    ),
-    "gemma2": Family("gemma2", "Gemma2", **SANDWICH_NORMS, scaled_embedding=True, supports_sdpa=False),
-    "olmo2": Family("olmo2", "Olmo2", **OUTPUT_NORMS_ONLY),
-    "olmo3": Family("olmo3", "Olmo3", **OUTPUT_NORMS_ONLY, rope_per_layer_type=True),
-    "exaone4": Family("exaone4", "Exaone4", **OUTPUT_NORMS_ONLY),
-    "gpt_oss": Family("gpt_oss", "GptOss", num_experts_key="num_local_experts", mlp_returns_tuple=True),  # eager: sinks
-    "deepseek_v3": Family("deepseek_v3", "DeepseekV3"),  # MLA, dense first layers then routed + shared experts
-    # Hybrids: gated DeltaNet / short-convolution / Kimi Delta Attention layers between attention layers
-    "qwen3_next": Family(
-        "qwen3_next",
-        "Qwen3Next",
-        num_experts_key="num_experts",
-        token_mixers={"linear_attention": "linear_attn"},
-        oldest_transformers=HYBRIDS_TRANSFORMERS,
-    ),
-    "lfm2": Family("lfm2", "Lfm2", **LFM2_LAYOUT),
-    "lfm2_moe": Family("lfm2_moe", "Lfm2Moe", **LFM2_LAYOUT),
-    "kimi_linear": Family(  # MLA without RoPE
-        "kimi_linear", "KimiLinear", rotary_embedding=False, oldest_transformers=HYBRIDS_TRANSFORMERS
-    ),
-    # Mamba-2 layers between attention layers
-    "bamba": Family("bamba", "Bamba", **MAMBA_LAYOUT, layer_type_argument=True),
-    "granitemoehybrid": Family(
-        "granitemoehybrid",
-        "GraniteMoeHybrid",
-        num_experts_key="num_local_experts",
-        token_mixers={"linear_attention": "mamba"},
-        mlp=("block_sparse_moe", "shared_mlp"),
-        embedding_multiplier_key="embedding_multiplier",
-        residual_multiplier_key="residual_multiplier",
-        logits_divisor_key="logits_scaling",
-        rope_switch=("position_embedding_type", "rope"),
-        oldest_transformers=HYBRIDS_TRANSFORMERS,
-    ),
-    # Mamba layers between attention layers without RoPE, a layer class per type, MoE every other layer
-    "jamba": Family(
-        "jamba",
-        "Jamba",
-        **MAMBA_LAYOUT,
-        num_experts_key="num_experts",
-        decoder_layers={"full_attention": "AttentionDecoderLayer", "linear_attention": "MambaDecoderLayer"},
-        rotary_embedding=False,
-    ),
-}
-SUPPORTED_FAMILIES = tuple(FAMILIES)
-# Layer types (`layer_types`) whose token mixer is recurrent (linear attention, short convolution, state space): it
-# keeps its state in the cache and reads a 2D padding mask
-RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
-
-# Architectures that cannot convert exactly, refused by name (`model_type`) with what they have and why. AttnRes needs
-# two sequential sublayers per layer, each reading the residual stream (through its own input norm, or raw) and adding
-# its output to it: a depth mixture then replaces exactly what each sublayer read (paper §3).
-POST_NORM = (
-    "a post-norm architecture; AttnRes needs PreNorm sublayers. It normalises after the residual add, so no sublayer "
-    "reads the residual stream that a depth mixture would replace"
-)
-PARALLEL = (
-    "parallel attention and MLP: both read the same input and their outputs join one residual add, so a layer has no "
-    "second sublayer input for a depth mixture to form"
-)
-ONE_SUBLAYER = (
-    "a hybrid decoder whose layers each hold one sublayer (Mamba-2, attention, MLP or MoE, by the layer's type); "
-    "AttnRes's depth layout pairs a token mixer with an MLP in every decoder layer"
-)
-PARALLEL_MIXERS = (
-    "a hybrid decoder whose layers run Mamba-2 and attention in parallel on one normed input, joined in one residual "
-    "add, with muP multipliers inside the mixers; that sum is one sublayer and could convert, but it is not yet built "
-    "and verified, so it is refused rather than half supported"
-)
-MIXED_NORMS = (
-    "a hybrid decoder whose attention layers normalise only their outputs (as OLMo-2) while its gated-DeltaNet layers "
-    "normalise their inputs; that could convert, but it is not yet built and verified, so it is refused rather than "
-    "half supported"
-)
-ENCODER = "an encoder or encoder-decoder: AttnRes wraps causal decoders (and converts their text model)"
-REFUSED_FAMILIES = {
-    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"), POST_NORM),
-    **dict.fromkeys(("cohere", "cohere2", "gptj", "codegen", "phi"), PARALLEL),
-    "nemotron_h": ONE_SUBLAYER,
-    "falcon_h1": PARALLEL_MIXERS,
-    "olmo_hybrid": MIXED_NORMS,
-    **dict.fromkeys(("mamba", "mamba2"), "a state-space model without attention sublayers"),
-    **dict.fromkeys(("t5", "bart", "mbart", "whisper"), ENCODER),
-}
-
-
-@dataclass(frozen=True)
-class ResidualRule:
-    """One row of the depth-mixing rules: what a sublayer's input is formed from, and whether the rule can start as
-    the source's plain residual stream (which conversion needs). How each rule reads and writes is depth_mixing.py's.
-
-    `sources`: "stream", one running representation (the recurrences; mHC's m streams); "blocks", the token
-    embedding, the sums of the completed blocks and the partial sum of the current one (Block AttnRes); "outputs", the
-    embedding and every sublayer output (Full AttnRes, DenseFormer). `converts`: None where the rule starts as the
-    plain stream, else why it cannot.
-    """
-
-    label: str
-    sources: str
-    converts: str | None = None
-
-
-RESIDUAL_RULES = {
-    "block": ResidualRule("Block AttnRes", "blocks"),
-    "full": ResidualRule("Full AttnRes", "outputs"),
-    "prenorm": ResidualRule("PreNorm (the plain residual stream)", "stream"),
-    "postnorm": ResidualRule(
-        "PostNorm", "stream", "it normalises the stream after every sublayer, which the source does not do"
-    ),
-    "rezero": ResidualRule("ReZero (a learned scalar on each sublayer output)", "stream"),
-    "layerscale": ResidualRule("LayerScale (a learned vector on each sublayer output)", "stream"),
-    "highway": ResidualRule(
-        "Highway (an input-dependent gate between the stream and each sublayer output)",
-        "stream",
-        "its gate mixes the stream and the sublayer output as (1 - g) h + g f, which is never the plain sum h + f",
-    ),
-    "denseformer": ResidualRule("DenseFormer (learned static weights over every earlier output)", "outputs"),
-    "mhc": ResidualRule("mHC (m residual streams, mixed by doubly stochastic matrices)", "stream"),
-}
-MODES = tuple(RESIDUAL_RULES)
-ATTNRES_MODES = ("block", "full")  # the rules whose sublayers mix by depth attention
-
-
-@dataclass(frozen=True)
-class AttnResOption:
-    """One of the paper's ablations of AttnRes (its Table 4), as a config field: its default (the paper's AttnRes), the
-    values it takes (None: a positive integer) and the modes it applies to."""
-
-    default: object
-    choices: tuple | None = None
-    modes: tuple[str, ...] = ATTNRES_MODES
-    # Why a converted model cannot start as its source with the option set; None where it can
-    converts: str | None = None
-
-
-ATTNRES_OPTIONS = {
-    "attnres_query": AttnResOption("pseudo", ("pseudo", "projected", "scalars")),
-    "attnres_score": AttnResOption("softmax", ("softmax", "sigmoid")),
-    "attnres_key_norm": AttnResOption(True, (True, False)),
-    "attnres_depth_heads": AttnResOption(1),
-    "attnres_window": AttnResOption(
-        None,
-        modes=("full",),
-        converts="a window leaves out the older sublayer outputs, which the source's residual stream still sums",
-    ),
-}
 IMPLEMENTATIONS = ("two_phase", "naive")
-DEFAULT_NUM_STREAMS = 4
 # mHC's projections may outweigh the source this many times at most: beyond, the stream count is a typo or out of
 # memory (1000 streams on SmolLM2-135M would need 4e12 parameters)
 MAX_STREAM_PARAMETERS_RATIO = 4
 # The keys of `attnres_saved_layout` (`AttnResConfig.depth_layout`)
-LAYOUT_KEYS = ("attnres_mode", "attnres_block_size", "attnres_num_streams", *ATTNRES_OPTIONS)
+LAYOUT_KEYS = ("attnres_mode", "attnres_block_size", *RULE_OPTIONS)
 
 
 def _is_integer(value: object) -> bool:
@@ -383,7 +128,7 @@ class AttnResConfig(PreTrainedConfig):
             The full config of the source architecture, one of `SUPPORTED_FAMILIES` (its `model_type`). Others are
             refused, naming why (post-norm, parallel attention and MLP, hybrid, encoder, or no family row).
         attnres_mode (`str`, defaults to `"block"`):
-            The depth-mixing rule, one of `RESIDUAL_RULES`. `"block"`: each sublayer attends over the token embedding,
+            The depth-mixing rule, one of `RULES`. `"block"`: each sublayer attends over the token embedding,
             the sums of the completed blocks and the partial sum of the current block. `"full"`: each sublayer attends
             over the embedding and every earlier sublayer output. The others are the rules the paper compares AttnRes
             with: `"prenorm"` (the source's own residual stream), `"postnorm"` (the stream normalised after each
@@ -547,7 +292,7 @@ class AttnResConfig(PreTrainedConfig):
                 f"attnres_num_streams: got {streams!r}, expected an integer number of mHC residual streams of at "
                 "least 2 (one stream is the plain residual stream: attnres_mode='prenorm')."
             )
-        if self.attnres_mode != "mhc":
+        if self.attnres_mode not in OPTION_MODES["attnres_num_streams"]:
             if streams != DEFAULT_NUM_STREAMS:
                 raise AttnResConfigError(
                     f"attnres_num_streams: {streams} is an option of attnres_mode='mhc', not of "
@@ -571,8 +316,8 @@ class AttnResConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value == option.default:
                 continue
-            if self.attnres_mode not in option.modes:
-                modes = " or ".join(f"attnres_mode={mode!r}" for mode in option.modes)
+            if self.attnres_mode not in OPTION_MODES[name]:
+                modes = " or ".join(f"attnres_mode={mode!r}" for mode in OPTION_MODES[name])
                 raise AttnResConfigError(
                     f"{name}: {value!r} is an option of {modes}, not of attnres_mode={self.attnres_mode!r}: drop it, "
                     f"or set {modes}."
@@ -597,9 +342,9 @@ class AttnResConfig(PreTrainedConfig):
         """The settings that decide what trained weights compute: the rule, and for Block AttnRes its block size, for
         mHC its number of streams, for AttnRes the ablation options set away from their defaults."""
         layout = {"attnres_mode": self.attnres_mode}
-        if RESIDUAL_RULES[self.attnres_mode].sources == "blocks":
+        if RULES[self.attnres_mode].sources == "blocks":
             layout["attnres_block_size"] = self.attnres_block_size
-        if self.attnres_mode == "mhc":
+        if "attnres_num_streams" in RULES[self.attnres_mode].options:
             layout["attnres_num_streams"] = self.attnres_num_streams
         # Only those set: a layout saved before the options existed is the same layout
         return layout | {name: getattr(self, name) for name in self.ablated_options()}
@@ -686,7 +431,7 @@ class AttnResConfig(PreTrainedConfig):
         on the 0-based index; where every sublayer output is a source of its own, each opens one; the recurrences keep
         one stream, which never closes.
         """
-        sources = RESIDUAL_RULES[self.attnres_mode].sources
+        sources = RULES[self.attnres_mode].sources
         if sources != "blocks":
             return sources == "outputs"
         return sublayer_index % (2 * self.attnres_block_size) == 0
@@ -706,4 +451,4 @@ class AttnResConfig(PreTrainedConfig):
 
 AttnResConfig.register_for_auto_class()  # save_pretrained copies this file next to the weights
 
-__all__ = ["AttnResConfig", "FAMILIES", "RESIDUAL_RULES", "SUPPORTED_FAMILIES"]
+__all__ = ["AttnResConfig", "FAMILIES", "RULES", "SUPPORTED_FAMILIES"]

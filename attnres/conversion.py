@@ -18,14 +18,14 @@ import torch
 from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from attnres_cli.errors import ConversionError
-from attnres_cli.options import CONVERT_DTYPES
-
 from .auto import added_parameter_count, is_attnres_parameter
 from .cards import conversion_record, describe_layout, model_card, origin_record, write_origin
-from .configuration_attnres import ATTNRES_OPTIONS, RESIDUAL_RULES, AttnResConfig
+from .configuration_attnres import AttnResConfig
+from .errors import ConversionError
 from .folders import check_output_dir, disk_space_for, output_lock, replace_fix, tensor_bytes, written_whole
 from .modeling_attnres import AttnResForCausalLM
+from .options import CONVERT_DTYPES
+from .rules import ATTNRES_OPTIONS, RULES
 from .sources import (
     TOKENIZER_FILES,
     has_tokenizer,
@@ -72,12 +72,12 @@ def attnres_config_for(
     # A source's own code (--trust-remote-code) is no part of the converted model, which runs the source family's
     # transformers classes; left in, the AttnRes config would read it through and save it as its own auto_map
     text_config_dict.pop("auto_map", None)
-    rule = RESIDUAL_RULES.get(mode)
+    rule = RULES.get(mode)
     if exact_start and rule is not None and rule.converts is not None:
         raise ConversionError(
             f"--mode {mode} cannot start as the source computes: {rule.converts}. Train it from scratch "
             "(attnres train --convert --from-scratch), or convert to a rule that starts exact: "
-            f"{', '.join(name for name, other in RESIDUAL_RULES.items() if other.converts is None)}"
+            f"{', '.join(name for name, other in RULES.items() if other.converts is None)}"
         )
     options = options or {}
     for name, value in options.items():

@@ -17,7 +17,7 @@ from pathlib import Path
 from datasets import Dataset, IterableDataset, load_dataset
 from transformers import PreTrainedTokenizerBase
 
-from attnres_cli.errors import DataError
+from .errors import DataError
 
 # Local files by extension, and the `datasets` builder that reads each kind. A `.txt` file is one document.
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

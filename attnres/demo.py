@@ -34,15 +34,14 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
-from attnres_cli.errors import ConversionError
-from attnres_cli.options import ANALYSIS_TOKENS, DEFAULT_SOURCE, DEMO_DEFAULTS, FIXTURES
-
 from .analysis import analyze
 from .cards import describe_layout
 from .conversion import convert_checkpoint
+from .errors import ConversionError
 from .eval import EvalReport, evaluate
 from .folders import check_output_dir, read_metrics, remove, replace_fix, written_whole
 from .hub import evaluation_summary
+from .options import ANALYSIS_TOKENS, DEFAULT_SOURCE, DEMO_DEFAULTS, FIXTURES
 from .sources import (
     check_tokenizer,
     load_source,

@@ -3,7 +3,8 @@ problem and the fix, and the `attnres` command shows it as one line on stderr (a
 traceback). The modules that raise them export them too: `attnres.conversion.ConversionError`,
 `attnres.training.TrainingError`, `attnres.eval.EvalError`, ...
 
-Standard library only: the options of `attnres_cli.options` raise some of them before anything heavy loads.
+Standard library only: the options of `attnres.options` raise some of them before anything heavy loads, and the
+command loads this module without torch (see `attnres_cli`).
 """
 
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from attnres_cli.errors import InterruptedReplaceError
+from .errors import InterruptedReplaceError
 
 CHECKPOINTS_FOLDER = "checkpoints"
 METRICS_FILE = "metrics.jsonl"

@@ -19,9 +19,8 @@ from huggingface_hub import HfApi, ModelCard, get_token
 from huggingface_hub import constants as hub_constants
 from transformers import PreTrainedConfig
 
-from attnres_cli.errors import HubUploadError
-
 from .cards import model_card, origin_record, read_origin
+from .errors import HubUploadError
 from .folders import CHECKPOINTS_FOLDER
 from .sources import hub_reachable, load_source_config
 

@@ -10,8 +10,8 @@ partial sum of the current block; Full AttnRes keeps every sublayer output. The 
 file wires it into the decoder layers. Attention, MLP/MoE, norms, RoPE, masks and the KV cache are the source family's
 own modules, under the source checkpoint's parameter names, built as the family's row of `FAMILIES` says.
 
-This file is copied next to the weights as remote code, with configuration_attnres.py and depth_mixing.py: it imports
-only torch, transformers and those two.
+This file is copied next to the weights as remote code, with configuration_attnres.py, depth_mixing.py and
+families.py (and rules.py, which the configuration imports): it imports only torch, transformers and those.
 """
 
 import importlib
@@ -37,14 +37,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .configuration_attnres import (
-    FAMILIES,
-    RECURRENT_LAYER_TYPES,
-    AttnResConfig,
-    AttnResConfigError,
-    Family,
-    require_transformers,
-)
+from .configuration_attnres import AttnResConfig, AttnResConfigError, require_transformers
 from .depth_mixing import (
     DEPTH_MIX_BACKENDS,
     DEPTH_RULES,
@@ -53,6 +46,7 @@ from .depth_mixing import (
     RuleModule,
     mixes_in_one_operator,
 )
+from .families import FAMILIES, RECURRENT_LAYER_TYPES, Family
 
 # Saved next to the weights, this file runs on every transformers from OLDEST_TRANSFORMERS on. 5.24 renamed the KV
 # cache from `past_key_values` to `cache` (the argument of models, layers and mask builders, and the output field):

@@ -1,98 +1,55 @@
 """What a user chooses: the choices and defaults that the `attnres` command shows, which the modules behind it use
-too, and `TrainingConfig`, the options of `attnres train`.
+too, and `TrainingConfig` and `CompareConfig`, the options of `attnres train` and `attnres compare`.
 
-This module imports only the standard library and the error types beside it, so that `attnres --help` and
-`attnres <command> --help` answer at once (the CLI reads its choices here) while the modules that do the work, which
-import torch, read the same ones. The residual rules and the source families it reads from the configuration's source
-(`configuration_table`).
+This module imports only the standard library and the light modules beside it (errors.py, families.py, rules.py), so
+that `attnres --help` and `attnres <command> --help` answer at once: the command loads them without the package's
+`__init__`, which loads torch (see `attnres_cli`), while the modules that do the work read the same ones.
 """
 
-import ast
-import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import OptionError, TrainingError
+from .rules import ATTNRES_MODES, MODES, OPTION_MODES, RULE_OPTIONS, RULES
 
-
-def configuration_table(name: str) -> dict[str, tuple]:
-    """The rows of the table `name` in attnres/configuration_attnres.py, a dict of calls such as
-    `"llama": Family("llama", "Llama", ...)`, by key, each as its call's literal positional arguments.
-
-    They are read from the file's source, not imported: the configuration is the one declaration of the families and
-    the residual rules, and importing it loads torch (transformers' `PreTrainedConfig`), as does importing anything of
-    the `attnres` package, which `find_spec` locates without running its `__init__`.
-    """
-    configuration = Path(importlib.util.find_spec("attnres").origin).with_name("configuration_attnres.py")
-    statements = ast.parse(configuration.read_text(encoding="utf-8")).body
-    table = next(
-        statement.value
-        for statement in statements
-        if isinstance(statement, ast.Assign) and [getattr(target, "id", None) for target in statement.targets] == [name]
-    )
-    return {
-        ast.literal_eval(key): tuple(ast.literal_eval(argument) for argument in row.args)
-        for key, row in zip(table.keys, table.values, strict=True)
-    }
-
-
-SUPPORTED_FAMILIES = tuple(configuration_table("FAMILIES"))  # the source families, by model_type
-# The depth-mixing rules: name -> (label, sources, why it cannot start as the source computes; absent where it can)
-RESIDUAL_RULES = configuration_table("RESIDUAL_RULES")
-MODES = tuple(RESIDUAL_RULES)
-FROM_SCRATCH_ONLY = tuple(mode for mode, (_, _, *cannot_convert) in RESIDUAL_RULES.items() if cannot_convert)
+FROM_SCRATCH_ONLY = tuple(mode for mode, rule in RULES.items() if rule.converts is not None)
 MODES_HELP = (
     "the depth-mixing rule (default: block): "
-    + "; ".join(f"{mode}, {label}" for mode, (label, *_) in RESIDUAL_RULES.items())
+    + "; ".join(f"{mode}, {rule.label}" for mode, rule in RULES.items())
     + f". {', '.join(FROM_SCRATCH_ONLY)} cannot start as the source computes: train them --from-scratch"
 )
-# The options of the rules, on `attnres convert` and `attnres train --convert`: each option's name (its dest) -> the
-# config field it sets, and its help. The AttnRes ablations' choices are the configuration's (ATTNRES_OPTIONS).
-ATTNRES_OPTIONS = configuration_table("ATTNRES_OPTIONS")  # field -> (default, choices)
-RULE_OPTIONS = {
-    "query": (
-        "attnres_query",
-        "Block and Full AttnRes: what scores the sources: pseudo, the paper's learned pseudo-query (default); "
-        "projected, a query projected from the latest source per token (a d x d matrix per sublayer); scalars, a "
-        "learned logit per source in place of query and key",
-    ),
-    "score": ("attnres_score", "Block and Full AttnRes: softmax over the sources (default), or a sigmoid of each"),
-    "no_key_norm": ("attnres_key_norm", "Block and Full AttnRes: score the raw sources, without the keys' RMSNorm"),
-    "depth_heads": (
-        "attnres_depth_heads",
-        "Block and Full AttnRes: channel groups, each with its own depth weights; a divisor of the hidden size "
-        "(default: 1)",
-    ),
-    "window": (
-        "attnres_window",
-        "Full AttnRes: mix the embedding and only the N latest sublayer outputs (default: all); it cannot start as "
-        "the source, so conversion refuses it: train it with --convert --from-scratch",
-    ),
-    "num_streams": ("attnres_num_streams", "mHC: the number of residual streams, at least 2 (default: 4)"),
-}
+# The rules that add no parameter of their own: `--train attnres` would train nothing
+PARAMETERLESS_MODES = tuple(mode for mode, rule in RULES.items() if not rule.learns)
 
 
 def rule_options(options) -> dict:
     """The config fields that the rule options of `options` (a namespace or TrainingConfig) set, by field name; those
     left unset are not passed."""
-    chosen = {name: getattr(options, dest) for dest, (name, _) in RULE_OPTIONS.items()}
+    chosen = {name: getattr(options, option.flag) for name, option in RULE_OPTIONS.items()}
     chosen["attnres_key_norm"] = not chosen["attnres_key_norm"]  # from --no-key-norm
-    defaults = {name: default for name, (default, *_) in ATTNRES_OPTIONS.items()}
-    return {name: value for name, value in chosen.items() if value is not None and value != defaults.get(name)}
+    return {name: value for name, value in chosen.items() if value is not None and value != RULE_OPTIONS[name].default}
+
+
+def rule_option_metadata(name: str) -> dict:
+    """The argparse settings of the rule option of config field `name`, as `TrainingConfig` declares them."""
+    option = RULE_OPTIONS[name]
+    if option.flag == "no_key_norm":
+        return {"help": option.help}
+    return {"help": option.help, **({"choices": option.choices} if option.choices else {"metavar": "N"})}
 
 
 def add_rule_arguments(parser) -> None:
     """The rule options as argparse arguments (`attnres convert`; `attnres train` declares them as fields)."""
-    for dest, (name, help_text) in RULE_OPTIONS.items():
-        flag = "--" + dest.replace("_", "-")
-        if dest == "no_key_norm":
-            parser.add_argument(flag, action="store_true", help=help_text)
-        elif name in ATTNRES_OPTIONS and ATTNRES_OPTIONS[name][1:]:
-            parser.add_argument(flag, choices=ATTNRES_OPTIONS[name][1], help=help_text)
+    for option in RULE_OPTIONS.values():
+        flag = "--" + option.flag.replace("_", "-")
+        if option.flag == "no_key_norm":
+            parser.add_argument(flag, action="store_true", help=option.help)
+        elif option.choices:
+            parser.add_argument(flag, choices=option.choices, help=option.help)
         else:
-            parser.add_argument(flag, type=int, metavar="N", help=help_text)
+            parser.add_argument(flag, type=int, metavar="N", help=option.help)
 
 
 # dtypes a command line may ask for: of converted weights (`attnres convert`), and to evaluate in (auto: the
@@ -145,26 +102,17 @@ def size_in_bytes(size: str) -> int:
     return value
 
 
-# The rules that add no parameter of their own: `--train attnres` would train nothing
-PARAMETERLESS_MODES = ("prenorm", "postnorm")
-# The rules each rule option applies to (the configuration's ATTNRES_OPTIONS modes, and mHC's stream count)
-DEPTH_ATTENTION_MODES = ("block", "full")
-OPTION_MODES = dict.fromkeys(("query", "score", "no_key_norm", "depth_heads"), DEPTH_ATTENTION_MODES) | {
-    "window": ("full",),
-    "num_streams": ("mhc",),
-}
-
-
 def check_rule_options(mode: str, block_size: int | None, options) -> None:
     """`--block-size` and the rule options (of `options`, a namespace or TrainingConfig) apply to some rules only:
     OptionError naming the option and the rules it applies to where `--mode` is another."""
     if mode != "block" and block_size is not None:
         raise OptionError(f"--block-size sets the layers per block of Block AttnRes; --mode {mode} has none")
-    for dest, modes in OPTION_MODES.items():
-        if getattr(options, dest) not in (None, False) and mode not in modes:
+    for name, option in RULE_OPTIONS.items():
+        modes = OPTION_MODES[name]
+        if getattr(options, option.flag) not in (None, False) and mode not in modes:
             raise OptionError(
-                f"--{dest.replace('_', '-')} is an option of --mode {' or '.join(modes)}; --mode {mode} has none: "
-                "drop it"
+                f"--{option.flag.replace('_', '-')} is an option of --mode {' or '.join(modes)}; --mode {mode} has "
+                "none: drop it"
             )
 
 
@@ -207,16 +155,13 @@ class TrainingConfig:
     block_size: int | None = field(
         default=None, metadata={"help": "decoder layers per block, with --convert (default: about 8 blocks)"}
     )
-    query: str | None = field(
-        default=None, metadata={"help": RULE_OPTIONS["query"][1], "choices": ATTNRES_OPTIONS["attnres_query"][1]}
-    )
-    score: str | None = field(
-        default=None, metadata={"help": RULE_OPTIONS["score"][1], "choices": ATTNRES_OPTIONS["attnres_score"][1]}
-    )
-    no_key_norm: bool = field(default=False, metadata={"help": RULE_OPTIONS["no_key_norm"][1]})
-    depth_heads: int | None = field(default=None, metadata={"help": RULE_OPTIONS["depth_heads"][1], "metavar": "N"})
-    window: int | None = field(default=None, metadata={"help": RULE_OPTIONS["window"][1], "metavar": "N"})
-    num_streams: int | None = field(default=None, metadata={"help": RULE_OPTIONS["num_streams"][1], "metavar": "N"})
+    # The rule options (rules.py's RULE_OPTIONS, by their flags)
+    query: str | None = field(default=None, metadata=rule_option_metadata("attnres_query"))
+    score: str | None = field(default=None, metadata=rule_option_metadata("attnres_score"))
+    no_key_norm: bool = field(default=False, metadata=rule_option_metadata("attnres_key_norm"))
+    depth_heads: int | None = field(default=None, metadata=rule_option_metadata("attnres_depth_heads"))
+    window: int | None = field(default=None, metadata=rule_option_metadata("attnres_window"))
+    num_streams: int | None = field(default=None, metadata=rule_option_metadata("attnres_num_streams"))
     # Data
     dataset: str | None = field(
         default=None,
@@ -351,7 +296,7 @@ class TrainingConfig:
                 f"--train attnres trains the rule's own parameters, and --mode {self.mode} has none: train all "
                 "weights (--train all), or choose a rule with parameters"
             )
-        if self.attnres_recompute and self.convert and self.mode not in DEPTH_ATTENTION_MODES:
+        if self.attnres_recompute and self.convert and self.mode not in ATTNRES_MODES:
             raise TrainingError(
                 f"--attnres-recompute recomputes the depth mix of Block and Full AttnRes; --mode {self.mode} has "
                 "none: drop it"

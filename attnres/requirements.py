@@ -1,4 +1,5 @@
-"""What every seam shares: the error a release without a private part stops with, and the check that raises it.
+"""What AttnRes requires of each library, and what every seam shares: the error a release without a private part stops
+with, and the check that raises it.
 
 The seams themselves are `attnres.compat` (one module per library) and, for the command, `attnres_cli.argparse_private`.
 Standard library only: the command's process checks its argparse seam before anything heavy loads.

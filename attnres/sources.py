@@ -38,11 +38,10 @@ from transformers import (
 )
 from transformers.utils import CONFIG_NAME
 
-from attnres_cli.errors import SourceError
-from attnres_cli.options import DEFAULT_SOURCE
-
 from .compat.hub_private import set_hub_offline
 from .compat.transformers_private import saved_config_file
+from .errors import SourceError
+from .options import DEFAULT_SOURCE
 
 GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 

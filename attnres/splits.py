@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnres_cli.errors import DataError
+from .errors import DataError
 
 # Long enough that a shared window is shared text, not a common phrase of the language
 WINDOW_BYTES = 32

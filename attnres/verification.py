@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from attnres_cli.errors import ConversionError
-
 from .compat.transformers_private import attention_implementation
+from .errors import ConversionError
 from .modeling_attnres import AttnResForCausalLM
 
 # The exactness contract, checked in float32. The converted model's logits may differ from the source's by at most

@@ -3,7 +3,7 @@ documentation names only as a class to choose, and a parser's list of actions, w
 
 import argparse
 
-from .seams import require
+from attnres.requirements import require
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -4,10 +4,11 @@ Parsing imports nothing heavy, so `attnres --help` and `attnres <command> --help
 imports torch, transformers and the module that does its work only when it runs (`train` builds its options from
 `TrainingConfig` with transformers' `HfArgumentParser`, and imports nothing else). That is why this module is not in
 the `attnres` package: importing any module of a package runs the package's `__init__` first, and `import attnres`
-registers the model classes with transformers' Auto classes, which loads torch. The options of the other subcommands
-are declared here; their choices and defaults come from `attnres_cli.options`, as those of the modules behind them do.
+registers the model classes with transformers' Auto classes, which loads torch (the package's light modules, which
+it reads, are loaded alone: see `attnres_cli`). The options of the other subcommands
+are declared here; their choices and defaults come from `attnres.options`, as those of the modules behind them do.
 
-Errors: a mistake the user can fix (an `AttnResInputError`, see `attnres_cli.errors`; a path that does not exist, a
+Errors: a mistake the user can fix (an `AttnResInputError`, see `attnres.errors`; a path that does not exist, a
 missing extra, a full disk ...) is one line on stderr and exit status 1; anything else is a bug and shows its
 traceback. `--debug` (or ATTNRES_DEBUG=1) shows tracebacks for all, and the notices of other libraries that are not
 about the command, hidden otherwise.
@@ -27,9 +28,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .argparse_private import DefaultsHelpFormatter, option_actions
-from .errors import AttnResInputError, OptionError
-from .options import (
+from attnres.errors import AttnResInputError, OptionError
+from attnres.families import SUPPORTED_FAMILIES
+from attnres.options import (
     ANALYSIS_TOKENS,
     CONVERT_DTYPES,
     DEFAULT_SOURCE,
@@ -38,9 +39,7 @@ from .options import (
     EVAL_COLUMNS,
     EVAL_DTYPES,
     FIXTURES,
-    MODES,
     MODES_HELP,
-    SUPPORTED_FAMILIES,
     TASK_ALIASES,
     TRUST_REMOTE_CODE_HELP,
     CompareConfig,
@@ -50,8 +49,11 @@ from .options import (
     rule_options,
     size_in_bytes,
 )
+from attnres.rules import MODES
 
-# Mistakes a user can fix raised outside attnres_cli.errors, by (module, class): the model files' (remote code, which
+from .argparse_private import DefaultsHelpFormatter, option_actions
+
+# Mistakes a user can fix raised outside attnres.errors, by (module, class): the model files' (remote code, which
 # imports nothing of ours); a module has been imported by the time it raises one
 MODEL_FILE_ERRORS = (("attnres.configuration_attnres", "AttnResConfigError"),)
 # The user's files and disks: a path that does not exist or cannot be read or written, a read-only disk (and a full

@@ -37,9 +37,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnres
 from attnres.compat.torch_private import dispatch_mode_base, tensor_leaves
-from attnres.configuration_attnres import COMPILED_MIXES, RESIDUAL_RULES
+from attnres.configuration_attnres import COMPILED_MIXES
 from attnres.conversion import DTYPES, attnres_config_for, convert_to_attnres
 from attnres.modeling_attnres import CACHE_NAME
+from attnres.rules import RULES
 from attnres.sources import default_model_path, load_source
 
 
@@ -65,7 +66,7 @@ def tiny_model(num_layers: int, dtype: torch.dtype) -> torch.nn.Module:
 def attnres_twin(source: torch.nn.Module, mode: str) -> torch.nn.Module:
     """`source` converted to the rule `mode`; PostNorm and Highway, which cannot start as the source computes, are
     built as for training from scratch around the source's weights (what they cost does not depend on the start)."""
-    if RESIDUAL_RULES[mode].converts is None:
+    if RULES[mode].converts is None:
         return convert_to_attnres(source, mode=mode)
     config = attnres_config_for(source.config, mode, exact_start=False)
     twin = attnres.AttnResForCausalLM(config).to(source.dtype)
@@ -536,7 +537,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 LIST_CHOICES = {
     "models": ("smollm2", "tiny"),
-    "modes": tuple(RESIDUAL_RULES),
+    "modes": tuple(RULES),
     "worlds": ("eager", "compiled"),
     "autocast": ("off", "bf16"),
 }

@@ -10,19 +10,30 @@ from pathlib import Path
 
 from tiny import FAMILY_OVERRIDES
 
-from attnres.configuration_attnres import SUPPORTED_FAMILIES
+from attnres.families import SUPPORTED_FAMILIES
 
 ROOT = Path(__file__).parents[1]
 PACKAGES = (ROOT / "attnres", ROOT / "attnres_cli")
-REMOTE_CODE = {"attnres.configuration_attnres", "attnres.depth_mixing", "attnres.modeling_attnres"}
+REMOTE_CODE = {
+    "attnres.configuration_attnres",
+    "attnres.depth_mixing",
+    "attnres.modeling_attnres",
+    "attnres.families",
+    "attnres.rules",
+}
 REMOTE_CODE_DEPENDENCIES = {"torch", "transformers", "packaging"}
 LIGHT = {
-    "attnres_cli.options",
-    "attnres_cli.errors",
-    "attnres_cli.seams",
+    "attnres.options",
+    "attnres.errors",
+    "attnres.requirements",
+    "attnres.rules",
+    "attnres.families",
+    "attnres_cli",
     "attnres_cli.argparse_private",
     "attnres.folders",
 }
+# The command's entry as a module of the package (`python -m attnres.training` is `attnres train`)
+COMMAND_ENTRIES = {"attnres.training.__main__"}
 
 
 def module_name(path: Path) -> str:
@@ -122,6 +133,30 @@ def test_the_light_rooms_import_only_the_standard_library_and_each_other():
     for module in LIGHT:
         outside = imported(module) - LIGHT - sys.stdlib_module_names
         assert not outside, (module, outside)
+
+
+def test_the_library_does_not_import_the_command():
+    reaching_up = [
+        module
+        for module in MODULES
+        if module.split(".")[0] == "attnres" and module not in COMMAND_ENTRIES
+        if any(name.split(".")[0] == "attnres_cli" for name in imported(module))
+    ]
+    assert not reaching_up, reaching_up
+
+
+def test_the_command_loads_exactly_the_light_modules_it_imports():
+    """What the command's modules import of `attnres` at their top level is what `attnres_cli` loads without the
+    package's `__init__` (anything else would load torch, or fail)."""
+    import attnres_cli
+
+    top_level = set()
+    for module in ("attnres_cli.command", "attnres_cli.argparse_private"):
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        top_level |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+    light = {name for name in top_level if name.startswith("attnres.")}
+    light |= {name for module in light for name in imported(module) if name.startswith("attnres.")}
+    assert light == {f"attnres.{name}" for name in attnres_cli.LIGHT_MODULES}
 
 
 def test_the_tiny_models_cover_exactly_the_supported_families():

@@ -14,7 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 import attnres
-from attnres.configuration_attnres import RECURRENT_LAYER_TYPES, SUPPORTED_FAMILIES
+from attnres.families import RECURRENT_LAYER_TYPES, SUPPORTED_FAMILIES
 from attnres.modeling_attnres import family_class, family_of
 
 

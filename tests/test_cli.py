@@ -20,12 +20,11 @@ from huggingface_hub import constants as hub_constants
 from tiny import run_cli
 
 import attnres
-from attnres import conversion, demo, sources
+from attnres import conversion, demo, options, sources
 from attnres.eval import harness
+from attnres.options import TrainingConfig
 from attnres.sources import SourceError
 from attnres_cli import command as cli
-from attnres_cli import options
-from attnres_cli.options import TrainingConfig
 
 HEAVY_MODULES = ("torch", "transformers", "lm_eval", "accelerate", "datasets", "peft", "matplotlib")
 
@@ -122,28 +121,35 @@ print(type(AutoConfig.for_model("attnres")).__name__)
     assert child.stdout.strip() == "AttnResConfig"
 
 
-def test_the_rules_and_families_read_from_the_configuration_are_its_own():
-    """`attnres_cli.options` reads them from the configuration's source (importing it loads torch)."""
-    from attnres.configuration_attnres import RESIDUAL_RULES, SUPPORTED_FAMILIES
-
-    assert options.SUPPORTED_FAMILIES == SUPPORTED_FAMILIES and len(SUPPORTED_FAMILIES) == 26
-    assert options.MODES == tuple(RESIDUAL_RULES)
-    assert {mode: label for mode, (label, *_) in options.RESIDUAL_RULES.items()} == {
-        mode: rule.label for mode, rule in RESIDUAL_RULES.items()
-    }
+def test_the_command_and_the_library_share_one_declaration_of_rules_families_and_errors():
+    """The command loads the light modules alone; the library, imported after, uses the same ones: one `RULES`, one
+    `OptionError` class (which the command catches), one `TrainingConfig`."""
+    script = (
+        "import sys, attnres_cli.command\n"
+        "from attnres.errors import OptionError\n"
+        "from attnres.rules import RULES\n"
+        "import attnres, attnres.training, attnres.configuration_attnres as configuration\n"
+        "from attnres.training import TrainingConfig, TrainingError\n"
+        "print(configuration.RULES is RULES, attnres.options.OptionError is OptionError,\n"
+        "      attnres_cli.command.TrainingConfig is TrainingConfig,\n"
+        "      issubclass(TrainingError, attnres.errors.AttnResInputError))"
+    )
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.split() == ["True"] * 4
+    assert len(cli.SUPPORTED_FAMILIES) == 26 and cli.MODES == tuple(options.RULES)
     assert options.FROM_SCRATCH_ONLY == ("postnorm", "highway")
-    assert options.FROM_SCRATCH_ONLY == tuple(mode for mode, rule in RESIDUAL_RULES.items() if rule.converts)
 
 
 def test_help_names_every_family_and_rule():
     convert = subparsers()["convert"].description
     assert re.findall(r"\w+", convert.partition("supported family (")[2].partition(")")[0]) == list(
-        options.SUPPORTED_FAMILIES
+        cli.SUPPORTED_FAMILIES
     )
     for parser in (subparsers()["convert"], cli.train_parser()):
         mode = next(action for action in parser._actions if action.dest == "mode")
-        assert mode.choices == options.MODES
-        assert all(f"{name}, {label}" in mode.help for name, (label, *_) in options.RESIDUAL_RULES.items())
+        assert mode.choices == cli.MODES
+        assert all(f"{name}, {rule.label}" in mode.help for name, rule in options.RULES.items())
         assert "postnorm, highway cannot start as the source computes" in mode.help
 
 

@@ -17,7 +17,7 @@ from scipy import stats
 from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
 from attnres.compare import comparisons, holm
-from attnres_cli.options import TrainingConfig
+from attnres.options import TrainingConfig
 
 STUDY = (
     "--rules prenorm,block,full --seeds 2 --tokens 7680 --seq-len 64 --batch-size 4 --evaluations 3 --eval-sequences 8 "

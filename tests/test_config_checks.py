@@ -10,10 +10,11 @@ from tiny import tiny_source_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from attnres import AttnResConfig, AttnResForCausalLM
-from attnres.configuration_attnres import ATTNRES_MODES, ATTNRES_OPTIONS, AttnResConfigError
-from attnres.depth_mixing import DEPTH_RULES
-from attnres_cli.errors import OptionError
-from attnres_cli.options import DEPTH_ATTENTION_MODES, OPTION_MODES, PARAMETERLESS_MODES, RULE_OPTIONS, TrainingConfig
+from attnres.configuration_attnres import AttnResConfigError
+from attnres.depth_mixing import DEPTH_RULES, AttnResRule
+from attnres.errors import OptionError
+from attnres.options import PARAMETERLESS_MODES, TrainingConfig
+from attnres.rules import ATTNRES_MODES, OPTION_MODES
 
 # setting -> (a bad value, words of the error), on a Block AttnRes model of 2 layers
 BAD_VALUES = {
@@ -101,9 +102,13 @@ def test_rule_options_of_another_rule_are_refused_before_anything_loads(options,
         TrainingConfig(output_dir="unused", convert=True, **options)
 
 
-def test_the_command_line_knows_which_rules_each_option_belongs_to():
-    assert DEPTH_ATTENTION_MODES == ATTNRES_MODES
+def test_the_rules_declare_what_their_classes_do():
+    """rules.py, which the command and the config read, against the rule classes: the rules without parameters, and
+    those that mix by depth attention."""
     assert PARAMETERLESS_MODES == tuple(mode for mode, rule in DEPTH_RULES.items() if not rule.all_parts)
-    for dest, (field, _) in RULE_OPTIONS.items():
-        expected = ATTNRES_OPTIONS[field].modes if field in ATTNRES_OPTIONS else ("mhc",)
-        assert OPTION_MODES[dest] == expected, dest
+    assert ATTNRES_MODES == tuple(mode for mode, rule in DEPTH_RULES.items() if isinstance(rule, AttnResRule))
+    assert OPTION_MODES == {
+        **dict.fromkeys(("attnres_query", "attnres_score", "attnres_key_norm", "attnres_depth_heads"), ATTNRES_MODES),
+        "attnres_window": ("full",),
+        "attnres_num_streams": ("mhc",),
+    }

@@ -19,6 +19,7 @@ from gguf import GGUFWriter
 from hub_stub import HubStub
 from safetensors import safe_open
 from tiny import (
+    MODEL_CODE,
     VOCAB,
     family_params,
     randomize_depth_parameters,
@@ -38,8 +39,9 @@ from transformers import (
 
 from attnres import AttnResForCausalLM, conversion, sources, verification
 from attnres.cards import source_name
-from attnres.configuration_attnres import RESIDUAL_RULES, SUPPORTED_FAMILIES
 from attnres.conversion import convert_to_attnres
+from attnres.families import SUPPORTED_FAMILIES
+from attnres.rules import RULES
 from attnres.sources import SourceError, default_model_path, load_source, load_source_tokenizer
 from attnres.verification import SAMPLE_TEXT, verify_conversion
 
@@ -108,7 +110,7 @@ def test_cli_conversion_passes_verification(converted, name):
     assert result.exit_code == 0, result.output
     assert "verification passed" in result.output
     files = {path.name for path in result.output_dir.iterdir()}
-    model_code = {"configuration_attnres.py", "modeling_attnres.py", "depth_mixing.py"}
+    model_code = set(MODEL_CODE)
     expected = model_code | {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
     expected |= {"README.md", "model.safetensors.index.json"}
     assert expected <= files
@@ -545,7 +547,7 @@ def test_smollm2_bfloat16_conversion_adds_no_rounding_error(smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rule", [name for name, rule in RESIDUAL_RULES.items() if rule.converts is None])
+@pytest.mark.parametrize("rule", [name for name, rule in RULES.items() if rule.converts is None])
 def test_smollm2_converts_to_every_exact_rule_within_its_noise(rule, smollm2):
     """Every rule that can start as the source converts the real SmolLM2 within 4x its own sdpa-vs-eager float noise,
     with the same mean NLL and the same greedy tokens."""

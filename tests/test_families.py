@@ -16,8 +16,8 @@ import torch
 from tiny import attnres_twin, family_params, random_ids, stdlib_text_ids, tiny_source_model, tiny_tokenizer
 from transformers import AutoConfig
 
-from attnres.configuration_attnres import SUPPORTED_FAMILIES
 from attnres.conversion import ConversionError, attnres_config_for, convert_to_attnres, verify_conversion
+from attnres.families import SUPPORTED_FAMILIES
 
 SCALED_INIT = 0.1  # initializer_range: 5x the configs' 0.02, so that every sublayer moves the stream
 

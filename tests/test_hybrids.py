@@ -7,7 +7,7 @@ import torch
 from test_families import perturbed_source
 from tiny import attnres_twin, family_params, hybrid_families, random_ids, tiny_source_config, tiny_source_model
 
-from attnres.configuration_attnres import RECURRENT_LAYER_TYPES
+from attnres.families import RECURRENT_LAYER_TYPES
 
 HYBRIDS = hybrid_families()
 GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)

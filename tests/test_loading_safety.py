@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import attnres_twin, run_cli, tiny_source_model, tiny_tokenizer
+from tiny import MODEL_CODE, attnres_twin, run_cli, tiny_source_model, tiny_tokenizer
 from transformers import LlamaForCausalLM, PreTrainedModel
 
 from attnres.modeling_attnres import AUTO_MAP
@@ -42,7 +42,7 @@ def tampered_attnres_folder(source, folder: Path, marker: Path) -> Path:
     """A saved AttnRes model whose copies of the model code write `marker`, then raise, when they run."""
     attnres_twin(source, seed=0).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
-    for name in ("configuration_attnres.py", "modeling_attnres.py", "depth_mixing.py"):
+    for name in MODEL_CODE:
         assert (folder / name).is_file(), f"save_pretrained wrote no {name} to tamper with"
         code = MARKER_CODE.format(marker=str(marker)) + "raise RuntimeError('the folder\\'s copy of the code ran')\n"
         (folder / name).write_text(code)

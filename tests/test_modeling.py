@@ -11,12 +11,12 @@ from functools import partial
 
 import pytest
 import torch
-from tiny import VOCAB, attnres_twin, family_params, hybrid_families, tiny_source_config, tiny_source_model
+from tiny import MODEL_CODE, VOCAB, attnres_twin, family_params, hybrid_families, tiny_source_config, tiny_source_model
 from tiny import random_ids as tiny_random_ids
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
 import attnres
-from attnres.configuration_attnres import FAMILIES, IMPLEMENTATIONS, SUPPORTED_FAMILIES
+from attnres.configuration_attnres import IMPLEMENTATIONS
 from attnres.depth_mixing import (
     DEPTH_MIX_BACKENDS,
     AttnResKeyNorm,
@@ -30,6 +30,7 @@ from attnres.depth_mixing import (
     inverse_rms,
     score_completed_blocks,
 )
+from attnres.families import FAMILIES, SUPPORTED_FAMILIES
 
 random_ids = partial(tiny_random_ids, length=24)  # this file's sequence length
 
@@ -414,7 +415,7 @@ def test_save_and_load_as_remote_code_in_clean_process(family, tmp_path):
         "AutoModel": "modeling_attnres.AttnResModel",
         "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
     }
-    assert {"configuration_attnres.py", "modeling_attnres.py", "depth_mixing.py"} <= set(os.listdir(tmp_path / "saved"))
+    assert set(MODEL_CODE) <= set(os.listdir(tmp_path / "saved"))
     ids = random_ids()
     with torch.no_grad():
         expected_logits = model(ids).logits

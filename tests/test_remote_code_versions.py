@@ -15,7 +15,7 @@ import torch
 from packaging.version import Version
 from tiny import attnres_twin, random_ids, tiny_source_model
 
-from attnres.configuration_attnres import FAMILIES, OLDEST_TRANSFORMERS, SUPPORTED_FAMILIES
+from attnres.families import FAMILIES, OLDEST_TRANSFORMERS, SUPPORTED_FAMILIES
 
 pytestmark = pytest.mark.slow  # the fast tier skips this file; CI runs it
 

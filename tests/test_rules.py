@@ -26,12 +26,13 @@ from tiny import (
 import attnres
 from attnres.analysis import depth_weight_entropy
 from attnres.cards import describe_layout
-from attnres.configuration_attnres import RESIDUAL_RULES, AttnResConfigError
+from attnres.configuration_attnres import AttnResConfigError
 from attnres.conversion import ConversionError, convert_to_attnres
 from attnres.depth_mixing import write_coefficients
 from attnres.folders import read_metrics
+from attnres.rules import RULES
 
-EXACT_RULES = [name for name, rule in RESIDUAL_RULES.items() if rule.converts is None]
+EXACT_RULES = [name for name, rule in RULES.items() if rule.converts is None]
 FAMILIES = ["llama", "gemma3_text", "qwen3_moe"]  # plain, (1 + w) norms with output norms and sliding layers, MoE
 TRAINING_FAMILIES = ["llama", "gemma3_text", "qwen2"]  # qwen2 (biased projections) for MoE: its steps take 5x longer
 
@@ -44,10 +45,10 @@ def scratch_model(family: str, rule: str, seed: int = 0, num_layers: int = 4, **
 
 
 def test_the_rules_the_paper_compares_are_all_offered():
-    assert set(RESIDUAL_RULES) == {
+    assert set(RULES) == {
         "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer", "mhc", "block", "full"
     }  # fmt: skip
-    assert [name for name, rule in RESIDUAL_RULES.items() if rule.converts is not None] == ["postnorm", "highway"]
+    assert [name for name, rule in RULES.items() if rule.converts is not None] == ["postnorm", "highway"]
 
 
 @pytest.mark.parametrize("family", family_params(FAMILIES))
@@ -80,7 +81,7 @@ def text_batches() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", family_params(TRAINING_FAMILIES, fast=["llama"]))
-@pytest.mark.parametrize("rule", list(RESIDUAL_RULES))
+@pytest.mark.parametrize("rule", list(RULES))
 def test_every_rule_trains_from_scratch(rule, family, text_batches):
     """30 AdamW steps on one module's text lower the loss on another module's text by at least 1 nat (of ~4.6)."""
     before, after = held_out_losses_around_training(scratch_model(family, rule), text_batches)
@@ -127,7 +128,7 @@ for folder in sys.argv[2:]:
 """
 
 
-@pytest.mark.parametrize("rule", list(RESIDUAL_RULES))
+@pytest.mark.parametrize("rule", list(RULES))
 def test_every_rule_takes_a_bf16_autocast_training_step_close_to_fp32(rule):
     """What GPU users train with: under bf16 autocast each rule's loss and gradients stay within bf16's noise of fp32's
     (Highway's gate once refused the bf16 sublayer output beside the fp32 stream)."""
@@ -154,7 +155,7 @@ def test_every_rule_reloads_and_generates_with_and_without_the_cache_and_as_remo
     ids = random_ids(batch=1, length=6)
     expected = {}
     for family in FAMILIES:
-        for rule in RESIDUAL_RULES:
+        for rule in RULES:
             model = scratch_model(family, rule).eval()
             randomize_rule_parameters(model)
             folder = tmp_path / f"{family}-{rule}"
@@ -252,11 +253,11 @@ def test_the_command_line_trains_mhc(start, tmp_path):
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
 
 
-@pytest.mark.parametrize("rule", [rule for rule in RESIDUAL_RULES if rule not in ("block", "full")])
+@pytest.mark.parametrize("rule", [rule for rule in RULES if rule not in ("block", "full")])
 def test_the_model_card_names_the_rule_not_block_attnres(rule):
     config = attnres.AttnResConfig(text_config=tiny_source_config("llama", num_layers=4).to_dict(), attnres_mode=rule)
     layout = describe_layout(config)
-    assert layout.startswith(RESIDUAL_RULES[rule].label) and "Block AttnRes" not in layout, layout
+    assert layout.startswith(RULES[rule].label) and "Block AttnRes" not in layout, layout
 
 
 # The paper's ablations of AttnRes (its Table 4), as options of Block and Full AttnRes: name -> (mode, options). Four
@@ -367,7 +368,7 @@ def rule_or_ablation_model(name: str) -> attnres.AttnResForCausalLM:
 @pytest.mark.slow  # torch.compile: 10 to 30 s a case
 @pytest.mark.parametrize(
     "name, compiled_mix",
-    [*((rule, "inline") for rule in RESIDUAL_RULES if rule not in ("block", "full")),
+    [*((rule, "inline") for rule in RULES if rule not in ("block", "full")),
      *((ablation, compiled_mix) for ablation in ABLATIONS for compiled_mix in ("inline", "operator"))],
 )  # fmt: skip
 def test_rules_and_ablations_compile_whole(name, compiled_mix, one_thread):

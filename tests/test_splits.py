@@ -5,8 +5,8 @@ import random
 
 import pytest
 
+from attnres.errors import DataError
 from attnres.splits import WINDOW_BYTES, HoldOut, shared_with, shared_with_others, split_documents, write_split
-from attnres_cli.errors import DataError
 
 HOLD_OUT = HoldOut(documents=2, bytes=2000, document_bytes=(500, 5000), max_shared=0.1)
 

@@ -36,10 +36,10 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedToken
 from attnres import AttnResForCausalLM
 from attnres.conversion import ConversionError, convert_checkpoint
 from attnres.data import DataError, pack, stdlib_source_files
+from attnres.errors import OptionError
 from attnres.folders import output_lock, read_metrics
 from attnres.modeling_attnres import AttnResDecoderLayer
 from attnres.training import TrainingConfig, TrainingError, build_datasets, train
-from attnres_cli.errors import OptionError
 
 # Standard-library modules whose source is the test corpus: real code, a few hundred KB, on every machine.
 CORPUS_MODULES = ("textwrap", "heapq", "bisect", "colorsys", "keyword", "this", "fnmatch", "shlex", "string", "glob")

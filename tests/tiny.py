@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, PreTrai
 
 import attnres
 from attnres.auto import is_attnres_parameter
-from attnres.configuration_attnres import RECURRENT_LAYER_TYPES
+from attnres.families import RECURRENT_LAYER_TYPES
 from attnres_cli.command import main
 
 VOCAB = 96
@@ -185,6 +185,9 @@ TINY_RUN = dict(
     eval_every=100,
     save_every=100,
 )
+
+# The model's code, which save_pretrained copies beside the weights (remote code)
+MODEL_CODE = ("configuration_attnres.py", "modeling_attnres.py", "depth_mixing.py", "families.py", "rules.py")
 
 
 def hybrid_families() -> list[str]:

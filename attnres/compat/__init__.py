@@ -8,10 +8,10 @@ naming the library's release and the range AttnRes runs on, instead of failing l
 model files, which travel alone as remote code, keep their own seam at the top of modeling_attnres.py and
 configuration_attnres.py.
 
-The check and its error are `attnres_cli.seams`, shared with the command's own seam (argparse), which must not import
-this package.
+The check and its error are `attnres.requirements`, shared with the command's own seam (argparse), which loads it
+without this package (see `attnres_cli`).
 """
 
-from attnres_cli.seams import REQUIREMENTS, PrivatePartMissing, require
+from ..requirements import REQUIREMENTS, PrivatePartMissing, require
 
 __all__ = ["REQUIREMENTS", "PrivatePartMissing", "require"]

@@ -28,8 +28,10 @@ from lm_eval.utils import handle_non_serializable
 from safetensors import SafetensorError
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from attnres_cli.errors import EvalError, SourceError
-from attnres_cli.options import (
+from ..compat.lm_eval_private import quiet_git_probe
+from ..errors import EvalError, SourceError
+from ..folders import check_output_dir, output_lock, replace_fix, written_whole
+from ..options import (
     DEFAULT_SOURCE,
     DEFAULT_TASKS,
     EVAL_COLUMNS,
@@ -37,9 +39,6 @@ from attnres_cli.options import (
     FIXTURES,
     TASK_ALIASES,
 )
-
-from ..compat.lm_eval_private import quiet_git_probe
-from ..folders import check_output_dir, output_lock, replace_fix, written_whole
 from ..sources import (
     check_tokenizer,
     hub_reachable,

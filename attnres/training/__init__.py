@@ -19,12 +19,11 @@ one with `accelerate launch --config_file examples/accelerate/<kind>.yaml`) and 
 The rooms of this package, in the order a run meets them: `recipe` (the model, what trains, optimizer and schedule),
 `batches` (packed data and the position in it), `engine` (the Accelerator and the distribution it runs),
 `checkpoints` (checkpoints, metrics.jsonl and SIGTERM) and `loop` (the run: start, steps, evaluation, export).
-The options are `attnres_cli.options.TrainingConfig`.
+The options are `attnres.options.TrainingConfig`.
 """
 
-from attnres_cli.errors import TrainingError
-from attnres_cli.options import TrainingConfig
-
+from ..errors import TrainingError
+from ..options import TrainingConfig
 from .batches import build_datasets
 from .loop import TrainingResult, train, train_from_args
 

@@ -13,9 +13,8 @@ from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from attnres_cli.options import TrainingConfig
-
 from .. import data
+from ..options import TrainingConfig
 
 
 def build_datasets(

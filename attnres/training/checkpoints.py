@@ -18,8 +18,7 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 from torch import nn
 
-from attnres_cli.errors import TrainingError
-
+from ..errors import TrainingError
 from ..folders import (
     CHECKPOINTS_FOLDER,
     disk_space_for,

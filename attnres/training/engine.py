@@ -29,12 +29,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from attnres_cli.errors import TrainingError
-from attnres_cli.options import TrainingConfig
-
 from ..compat.accelerate_private import hand_fsdp_to_state, leave_device_to_deepspeed
 from ..compat.deepspeed_private import zero3_share
 from ..compat.torch_private import raise_recompile_limit
+from ..errors import TrainingError
+from ..options import TrainingConfig
 
 
 def resolve_mixed_precision(choice: str) -> str | None:

@@ -27,12 +27,9 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from attnres_cli.errors import TrainingError
-from attnres_cli.options import TrainingConfig
-
 from ..analysis import depth_weight_entropy, sublayer_names
 from ..cards import conversion_record, model_card, origin_record, read_origin, write_origin
-from ..configuration_attnres import ATTNRES_MODES
+from ..errors import TrainingError
 from ..folders import (
     CHECKPOINTS_FOLDER,
     METRICS_FILE,
@@ -46,6 +43,8 @@ from ..folders import (
     written_whole,
 )
 from ..hub import check_can_upload, push_folder
+from ..options import TrainingConfig
+from ..rules import ATTNRES_MODES
 from ..sources import load_source_tokenizer
 from .batches import TrainingProgress, build_datasets, make_data_loaders, training_batches
 from .checkpoints import Checkpoints, MetricsLog, TerminationSignal

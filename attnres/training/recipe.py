@@ -9,13 +9,12 @@ from torch import nn
 from transformers import PreTrainedModel, get_scheduler
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from attnres_cli.errors import TrainingError
-from attnres_cli.options import DEFAULT_SOURCE, SCHEDULERS, TrainingConfig
-
 from ..auto import ATTNRES_MODULES, is_attnres_parameter
 from ..compat.deepspeed_private import full_shape
 from ..conversion import attnres_config_for, convert_to_attnres
+from ..errors import TrainingError
 from ..modeling_attnres import AttnResForCausalLM
+from ..options import DEFAULT_SOURCE, SCHEDULERS, TrainingConfig
 from ..sources import load_source, load_source_config, resolve_source
 
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

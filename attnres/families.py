@@ -1,0 +1,206 @@
+"""The source families AttnRes supports, and those it refuses by name: data only, which modeling_attnres.py acts on
+and configuration_attnres.py checks a config against.
+
+Standard library only: the `attnres` command reads `SUPPORTED_FAMILIES` from this file without loading torch, and
+it travels with saved models as remote code, imported by configuration_attnres.py.
+"""
+
+from dataclasses import dataclass, field
+
+# The oldest transformers the model files run on: before 5.20 it has no `SubConfigSpec`, which the config is built
+# on. From it on, saved models generate the same tokens as on the newest (tests/test_remote_code_versions.py).
+OLDEST_TRANSFORMERS = "5.20.0"
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one source family's modules and run the two sublayers of its decoder layer: data, which
+    modeling_attnres.py acts on.
+
+    Every family is PreNorm in the sense AttnRes needs: each sublayer reads the residual stream (through its input norm,
+    if it has one) and adds its output to it. Where families differ, a field below names the difference.
+    """
+
+    module_name: str  # transformers.models.<module_name>.modeling_<module_name>
+    class_prefix: str  # e.g. "Qwen3Moe" for Qwen3MoeDecoderLayer, Qwen3MoeRMSNorm, ...
+    # None: the sublayer reads the stream itself (OLMo-2/3, EXAONE-4 normalise only outputs); it then needs
+    # `attnres_scale_by_num_sources` to read the plain sum rather than the mean at zero queries.
+    attention_input_norm: str | None = "input_layernorm"
+    attention_output_norm: str | None = None  # Gemma2/3's sandwich norms normalise the sublayer outputs too
+    mlp_input_norm: str | None = "post_attention_layernorm"
+    mlp_output_norm: str | None = None
+    # Phi-3: the (attention, MLP) dropout modules applied to the sublayer outputs before the residual add
+    output_dropouts: tuple[str, str] | None = None
+    scaled_embedding: bool = False  # Gemma2/3 multiply the token embedding by sqrt(hidden_size)
+    rope_per_layer_type: bool = False  # Gemma3, OLMo-3: separate RoPE parameters for sliding and full attention layers
+    num_experts_key: str | None = None  # MoE families with a load-balancing loss: the config field of the experts count
+    mlp_returns_tuple: bool = False  # GPT-OSS: the MLP returns (output, router scores)
+    # Granite's scalars, as config fields: the embedding is multiplied by one, each sublayer output by another before
+    # the residual add, and the logits are divided by a third
+    embedding_multiplier_key: str | None = None
+    residual_multiplier_key: str | None = None
+    logits_divisor_key: str | None = None
+    # Gemma2: sdpa cannot softcap the attention logits. Its own models declare so from transformers 5.21 on; on 5.20
+    # they ran sdpa without the softcapping, which a saved model must not do there either.
+    supports_sdpa: bool = True
+    # Hybrids: the attribute of the token mixer by layer type (`layer_types`), where it is not `self_attn`. The mixers
+    # of the recurrent layer types (RECURRENT_LAYER_TYPES) take the cache and a 2D padding mask and return their output
+    # alone; attention takes RoPE and returns (output, weights).
+    token_mixers: dict[str, str] = field(default_factory=dict)
+    # The decoder layer class by layer type, where a family has one per type (Jamba: "AttentionDecoderLayer", ...)
+    decoder_layers: dict[str, str] = field(default_factory=dict)
+    layer_type_argument: bool = False  # Bamba: the decoder layer takes its type as `layer_type`
+    # The MLP sublayer: the sum of these modules' outputs, those the layer has (GraniteMoeHybrid: routed experts plus
+    # a shared MLP, the experts absent where the config has none)
+    mlp: tuple[str, ...] = ("mlp",)
+    final_norm: str = "norm"  # LFM2: embedding_norm
+    norm_eps_key: str = "rms_norm_eps"  # LFM2: norm_eps
+    rotary_embedding: bool = True  # Kimi Linear, Jamba: their attention layers have no RoPE
+    # GraniteMoeHybrid: RoPE only where this config field has this value (Granite 4.0 checkpoints have none)
+    rope_switch: tuple[str, str] | None = None
+    # The oldest transformers whose modules of the family these files can call: the hybrids' recurrent mixers take the
+    # cache as `cache` from 5.24 on (before, each named it its own way)
+    oldest_transformers: str = OLDEST_TRANSFORMERS
+
+
+# Sandwich-norm layers: input and output norms around both sublayers (Gemma2, Gemma3)
+SANDWICH_NORMS = dict(
+    attention_output_norm="post_attention_layernorm",
+    mlp_input_norm="pre_feedforward_layernorm",
+    mlp_output_norm="post_feedforward_layernorm",
+)
+# Output norms only, no input norm (OLMo-2, OLMo-3, EXAONE-4)
+OUTPUT_NORMS_ONLY = dict(
+    attention_input_norm=None,
+    attention_output_norm="post_attention_layernorm",
+    mlp_input_norm=None,
+    mlp_output_norm="post_feedforward_layernorm",
+)
+HYBRIDS_TRANSFORMERS = "5.24.0"
+# LFM2's names: `conv` layers, the operator and feed-forward norms, and a final norm named for the embedding
+LFM2_LAYOUT = dict(
+    attention_input_norm="operator_norm",
+    mlp_input_norm="ffn_norm",
+    token_mixers={"conv": "conv"},
+    mlp=("feed_forward",),
+    final_norm="embedding_norm",
+    norm_eps_key="norm_eps",
+    oldest_transformers=HYBRIDS_TRANSFORMERS,
+)
+# Bamba's and Jamba's names: `mamba` layers, a pre-feed-forward norm and a final layer norm
+MAMBA_LAYOUT = dict(
+    mlp_input_norm="pre_ff_layernorm",
+    token_mixers={"linear_attention": "mamba"},
+    mlp=("feed_forward",),
+    final_norm="final_layernorm",
+    oldest_transformers=HYBRIDS_TRANSFORMERS,
+)
+
+# The source families whose decoder layers AttnRes rewires, by the `model_type` of their text config: the one
+# declaration of them. The configuration checks a config against its keys (without torch); the model builds and runs
+# the family's modules from its rows.
+FAMILIES = {
+    "llama": Family("llama", "Llama"),
+    "mistral": Family("mistral", "Mistral"),
+    "qwen2": Family("qwen2", "Qwen2"),
+    "qwen3": Family("qwen3", "Qwen3"),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3Moe", num_experts_key="num_experts"),
+    "mixtral": Family("mixtral", "Mixtral", num_experts_key="num_local_experts"),
+    "gemma3_text": Family("gemma3", "Gemma3", **SANDWICH_NORMS, scaled_embedding=True, rope_per_layer_type=True),
+    "ministral": Family("ministral", "Ministral"),
+    "ministral3": Family("ministral3", "Ministral3"),
+    "smollm3": Family("smollm3", "SmolLM3"),
+    "phi3": Family("phi3", "Phi3", output_dropouts=("resid_attn_dropout", "resid_mlp_dropout")),
+    "granite": Family(
+        "granite",
+        "Granite",
+        embedding_multiplier_key="embedding_multiplier",
+        residual_multiplier_key="residual_multiplier",
+        logits_divisor_key="logits_scaling",
+    ),
+    "glm4": Family(
+        "glm4", "Glm4", attention_output_norm="post_self_attn_layernorm", mlp_output_norm="post_mlp_layernorm"
+    ),
+    "gemma2": Family("gemma2", "Gemma2", **SANDWICH_NORMS, scaled_embedding=True, supports_sdpa=False),
+    "olmo2": Family("olmo2", "Olmo2", **OUTPUT_NORMS_ONLY),
+    "olmo3": Family("olmo3", "Olmo3", **OUTPUT_NORMS_ONLY, rope_per_layer_type=True),
+    "exaone4": Family("exaone4", "Exaone4", **OUTPUT_NORMS_ONLY),
+    "gpt_oss": Family("gpt_oss", "GptOss", num_experts_key="num_local_experts", mlp_returns_tuple=True),  # eager: sinks
+    "deepseek_v3": Family("deepseek_v3", "DeepseekV3"),  # MLA, dense first layers then routed + shared experts
+    # Hybrids: gated DeltaNet / short-convolution / Kimi Delta Attention layers between attention layers
+    "qwen3_next": Family(
+        "qwen3_next",
+        "Qwen3Next",
+        num_experts_key="num_experts",
+        token_mixers={"linear_attention": "linear_attn"},
+        oldest_transformers=HYBRIDS_TRANSFORMERS,
+    ),
+    "lfm2": Family("lfm2", "Lfm2", **LFM2_LAYOUT),
+    "lfm2_moe": Family("lfm2_moe", "Lfm2Moe", **LFM2_LAYOUT),
+    "kimi_linear": Family(  # MLA without RoPE
+        "kimi_linear", "KimiLinear", rotary_embedding=False, oldest_transformers=HYBRIDS_TRANSFORMERS
+    ),
+    # Mamba-2 layers between attention layers
+    "bamba": Family("bamba", "Bamba", **MAMBA_LAYOUT, layer_type_argument=True),
+    "granitemoehybrid": Family(
+        "granitemoehybrid",
+        "GraniteMoeHybrid",
+        num_experts_key="num_local_experts",
+        token_mixers={"linear_attention": "mamba"},
+        mlp=("block_sparse_moe", "shared_mlp"),
+        embedding_multiplier_key="embedding_multiplier",
+        residual_multiplier_key="residual_multiplier",
+        logits_divisor_key="logits_scaling",
+        rope_switch=("position_embedding_type", "rope"),
+        oldest_transformers=HYBRIDS_TRANSFORMERS,
+    ),
+    # Mamba layers between attention layers without RoPE, a layer class per type, MoE every other layer
+    "jamba": Family(
+        "jamba",
+        "Jamba",
+        **MAMBA_LAYOUT,
+        num_experts_key="num_experts",
+        decoder_layers={"full_attention": "AttentionDecoderLayer", "linear_attention": "MambaDecoderLayer"},
+        rotary_embedding=False,
+    ),
+}
+SUPPORTED_FAMILIES = tuple(FAMILIES)
+# Layer types (`layer_types`) whose token mixer is recurrent (linear attention, short convolution, state space): it
+# keeps its state in the cache and reads a 2D padding mask
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
+
+# Architectures that cannot convert exactly, refused by name (`model_type`) with what they have and why. AttnRes needs
+# two sequential sublayers per layer, each reading the residual stream (through its own input norm, or raw) and adding
+# its output to it: a depth mixture then replaces exactly what each sublayer read (paper §3).
+POST_NORM = (
+    "a post-norm architecture; AttnRes needs PreNorm sublayers. It normalises after the residual add, so no sublayer "
+    "reads the residual stream that a depth mixture would replace"
+)
+PARALLEL = (
+    "parallel attention and MLP: both read the same input and their outputs join one residual add, so a layer has no "
+    "second sublayer input for a depth mixture to form"
+)
+ONE_SUBLAYER = (
+    "a hybrid decoder whose layers each hold one sublayer (Mamba-2, attention, MLP or MoE, by the layer's type); "
+    "AttnRes's depth layout pairs a token mixer with an MLP in every decoder layer"
+)
+PARALLEL_MIXERS = (
+    "a hybrid decoder whose layers run Mamba-2 and attention in parallel on one normed input, joined in one residual "
+    "add, with muP multipliers inside the mixers; that sum is one sublayer and could convert, but it is not yet built "
+    "and verified, so it is refused rather than half supported"
+)
+MIXED_NORMS = (
+    "a hybrid decoder whose attention layers normalise only their outputs (as OLMo-2) while its gated-DeltaNet layers "
+    "normalise their inputs; that could convert, but it is not yet built and verified, so it is refused rather than "
+    "half supported"
+)
+ENCODER = "an encoder or encoder-decoder: AttnRes wraps causal decoders (and converts their text model)"
+REFUSED_FAMILIES = {
+    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"), POST_NORM),
+    **dict.fromkeys(("cohere", "cohere2", "gptj", "codegen", "phi"), PARALLEL),
+    "nemotron_h": ONE_SUBLAYER,
+    "falcon_h1": PARALLEL_MIXERS,
+    "olmo_hybrid": MIXED_NORMS,
+    **dict.fromkeys(("mamba", "mamba2"), "a state-space model without attention sublayers"),
+    **dict.fromkeys(("t5", "bart", "mbart", "whisper"), ENCODER),
+}

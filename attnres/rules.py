@@ -1,0 +1,121 @@
+"""The depth-mixing rules as data: one entry per rule (its label, what its sublayers read, whether it can start as the
+source computes, the options it takes) and one per option. The configuration checks a config against them, the
+`attnres` command lists them in `--help` and checks its options by them, and depth_mixing.py's rule classes, one per
+rule, compute them.
+
+Standard library only: the command reads this file without loading torch, and it travels with saved models as remote
+code, imported by configuration_attnres.py.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuleOption:
+    """A config field that some rules take (see `RuleSpec.options`), and its command-line option `--<flag>`.
+
+    `choices`: the values it takes (None: a positive integer). `converts`: why a converted model cannot start as its
+    source with the option away from `default` (None: it can). `ablation`: one of the paper's ablations of AttnRes (its
+    Table 4), which a model's layout description lists when set."""
+
+    flag: str
+    help: str
+    default: object
+    choices: tuple | None = None
+    converts: str | None = None
+    ablation: bool = True
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """One depth-mixing rule.
+
+    `sources`: what a sublayer's input is formed from: "stream", one running representation (the recurrences; mHC's m
+    streams); "blocks", the token embedding, the sums of the completed blocks and the partial sum of the current one
+    (Block AttnRes); "outputs", the embedding and every sublayer output (Full AttnRes, DenseFormer). `converts`: None
+    where the rule can start as the source's plain residual stream (which conversion needs), else why it cannot.
+    `options`: the config fields of `RULE_OPTIONS` it takes. `depth_attention`: its sublayers mix by depth attention
+    (AttnRes), whose weights training logs and whose mix may be recomputed. `learns`: it adds parameters."""
+
+    label: str
+    sources: str
+    converts: str | None = None
+    options: tuple[str, ...] = ()
+    depth_attention: bool = False
+    learns: bool = True
+
+
+DEFAULT_NUM_STREAMS = 4
+RULE_OPTIONS = {
+    "attnres_query": RuleOption(
+        "query",
+        "Block and Full AttnRes: what scores the sources: pseudo, the paper's learned pseudo-query (default); "
+        "projected, a query projected from the latest source per token (a d x d matrix per sublayer); scalars, a "
+        "learned logit per source in place of query and key",
+        "pseudo",
+        ("pseudo", "projected", "scalars"),
+    ),
+    "attnres_score": RuleOption(
+        "score",
+        "Block and Full AttnRes: softmax over the sources (default), or a sigmoid of each",
+        "softmax",
+        ("softmax", "sigmoid"),
+    ),
+    "attnres_key_norm": RuleOption(
+        "no_key_norm",
+        "Block and Full AttnRes: score the raw sources, without the keys' RMSNorm",
+        True,
+        (True, False),
+    ),
+    "attnres_depth_heads": RuleOption(
+        "depth_heads",
+        "Block and Full AttnRes: channel groups, each with its own depth weights; a divisor of the hidden size "
+        "(default: 1)",
+        1,
+    ),
+    "attnres_window": RuleOption(
+        "window",
+        "Full AttnRes: mix the embedding and only the N latest sublayer outputs (default: all); it cannot start as "
+        "the source, so conversion refuses it: train it with --convert --from-scratch",
+        None,
+        converts="a window leaves out the older sublayer outputs, which the source's residual stream still sums",
+    ),
+    "attnres_num_streams": RuleOption(
+        "num_streams",
+        f"mHC: the number of residual streams, at least 2 (default: {DEFAULT_NUM_STREAMS})",
+        DEFAULT_NUM_STREAMS,
+        ablation=False,
+    ),
+}
+DEPTH_ATTENTION_OPTIONS = ("attnres_query", "attnres_score", "attnres_key_norm", "attnres_depth_heads")
+
+RULES = {
+    "block": RuleSpec("Block AttnRes", "blocks", options=DEPTH_ATTENTION_OPTIONS, depth_attention=True),
+    "full": RuleSpec(
+        "Full AttnRes", "outputs", options=(*DEPTH_ATTENTION_OPTIONS, "attnres_window"), depth_attention=True
+    ),
+    "prenorm": RuleSpec("PreNorm (the plain residual stream)", "stream", learns=False),
+    "postnorm": RuleSpec(
+        "PostNorm",
+        "stream",
+        "it normalises the stream after every sublayer, which the source does not do",
+        learns=False,
+    ),
+    "rezero": RuleSpec("ReZero (a learned scalar on each sublayer output)", "stream"),
+    "layerscale": RuleSpec("LayerScale (a learned vector on each sublayer output)", "stream"),
+    "highway": RuleSpec(
+        "Highway (an input-dependent gate between the stream and each sublayer output)",
+        "stream",
+        "its gate mixes the stream and the sublayer output as (1 - g) h + g f, which is never the plain sum h + f",
+    ),
+    "denseformer": RuleSpec("DenseFormer (learned static weights over every earlier output)", "outputs"),
+    "mhc": RuleSpec(
+        "mHC (m residual streams, mixed by doubly stochastic matrices)", "stream", options=("attnres_num_streams",)
+    ),
+}
+MODES = tuple(RULES)
+ATTNRES_MODES = tuple(mode for mode, rule in RULES.items() if rule.depth_attention)
+# The rules that take each option
+OPTION_MODES = {name: tuple(mode for mode, rule in RULES.items() if name in rule.options) for name in RULE_OPTIONS}
+# The paper's ablations of AttnRes (Table 4), as options
+ATTNRES_OPTIONS = {name: option for name, option in RULE_OPTIONS.items() if option.ablation}
