@@ -8,17 +8,19 @@
 import argparse
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .configuration_attnres import FAMILIES, AttnResConfig
-from .depth_mixing import read_streams, write_coefficients, write_streams
+from .configuration_attnres import AttnResConfig
+from .depth_mixing import DepthState, StreamCoefficients
 from .errors import AnalysisError
+from .families import FAMILIES
 from .folders import check_output_dir, output_lock, replace_fix, written_whole
 from .modeling_attnres import AttnResForCausalLM
 from .verification import SAMPLE_TEXT
@@ -180,16 +182,6 @@ def spread_over_outputs(config: AttnResConfig, row: int, weights: torch.Tensor) 
     return entries
 
 
-@dataclass
-class StreamCoefficients:
-    """One sublayer of a recurrence on m streams H [B,T,m,d] (m = 1 but for mHC): it reads sum_j read_j H_j, then
-    writes H <- carry @ H + write y, per token."""
-
-    read: torch.Tensor  # [B,T,m]
-    carry: torch.Tensor  # [B,T,m,m]
-    write: torch.Tensor  # [B,T,m]
-
-
 def recurrence_rows(coefficients: list[StreamCoefficients], output_read: torch.Tensor) -> torch.Tensor:
     """The recurrence unrolled: each stream as a weighted sum of the sources C [B,T,m,S] -> rows of M [B,T,R,S]"""
     batch_shape, num_streams = output_read.shape[:-1], output_read.shape[-1]
@@ -204,58 +196,14 @@ def recurrence_rows(coefficients: list[StreamCoefficients], output_read: torch.T
     return torch.stack(rows, dim=-2)
 
 
-def _heads(model: AttnResForCausalLM, part: str) -> list[nn.Module]:
-    """Every sublayer's module `part` of the rule, in order (A0, M0, A1, ...), then the output's if it has one."""
-    heads = [
-        getattr(layer, f"{sublayer}_res_{part}")
-        for layer in model.model.layers
-        for sublayer in ("self_attention", "mlp")
-    ]
-    output = getattr(model.model, f"output_attn_res_{part}", None)
-    return heads + ([output] if output is not None else [])
-
-
-def _record_outputs(modules: list[nn.Module]) -> tuple[list, list]:
-    """Hooks that keep each module's output, in call order -> (outputs, handles)"""
-    outputs = []
-    handles = [module.register_forward_hook(lambda m, args, output: outputs.append(output)) for module in modules]
-    return outputs, handles
-
-
-def plain_coefficients(model, input_ids, run) -> tuple[list[StreamCoefficients], torch.Tensor]:
-    """PreNorm: h <- h + f, every coefficient 1."""
-    ones = torch.ones(*input_ids.shape, 1)
-    return [StreamCoefficients(ones, ones.unsqueeze(-1), ones)] * 2 * model.config.num_hidden_layers, ones
-
-
-def scaled_output_coefficients(model, input_ids, run) -> tuple[list[StreamCoefficients], torch.Tensor]:
-    """ReZero and LayerScale: h <- h + s f; LayerScale's per-channel s enters M as its mean over channels."""
-    ones = torch.ones(*input_ids.shape, 1)
-    run()
-    steps = [
-        StreamCoefficients(ones, ones.unsqueeze(-1), ones * float(head.weight.detach().float().mean()))
-        for head in _heads(model, "scale")
-    ]
-    return steps, ones
-
-
-def highway_coefficients(model, input_ids, run) -> tuple[list[StreamCoefficients], torch.Tensor]:
-    """Highway: h <- (1 - g) h + g f, with each token's gate g [B,T,1] as the sublayer computed it."""
-    gates, handles = _record_outputs(_heads(model, "gate"))
-    try:
-        run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    ones = torch.ones(*input_ids.shape, 1)
-    steps = [StreamCoefficients(ones, (1 - gate.float()).unsqueeze(-1), gate.float()) for gate in gates]
-    return steps, ones
-
-
-def hyper_connection_coefficients(model, input_ids, run) -> tuple[list[StreamCoefficients], torch.Tensor]:
-    """mHC: each sublayer reads alpha . H and writes H <- A H + beta y, the coefficients computed from the streams it
-    read. The streams come from the layers' inputs; those the MLP reads, from its attention's write."""
-    layers = model.model.layers
+def recurrence_coefficients(
+    model: AttnResForCausalLM, run: Callable[[], Any]
+) -> tuple[list[StreamCoefficients], StreamCoefficients]:
+    """Each sublayer's coefficients of a recurrence (PreNorm, ReZero, LayerScale, Highway, mHC: the rule's
+    `coefficients`), from the streams it read, and the output's read. The streams come from the layers' inputs; those
+    the MLP reads, from the rule's write of its attention's output (as the layer adds it) to them."""
+    decoder = model.model
+    rule, layers = decoder.rule, decoder.layers
     layer_streams, attention_outputs = [], []
     handles = [
         layer.register_forward_pre_hook(lambda m, args: layer_streams.append(args[0].detach())) for layer in layers
@@ -275,27 +223,14 @@ def hyper_connection_coefficients(model, input_ids, run) -> tuple[list[StreamCoe
     finally:
         for handle in handles:
             handle.remove()
-    connections = _heads(model, "connection")
     steps = []
-    for layer, (streams, attention_output) in enumerate(zip(layer_streams[:-1], attention_outputs, strict=True)):
-        attention, mlp = connections[2 * layer], connections[2 * layer + 1]
-        mlp_streams = write_streams(streams, attention_output, *attention(), attention.eps)
-        for connection, read_from in ((attention, streams), (mlp, mlp_streams)):
-            _, alpha = read_streams(read_from, *connection(), connection.eps)
-            beta, carry = write_coefficients(read_from, *connection(), connection.eps)
-            steps.append(StreamCoefficients(alpha, carry, beta))
-    output = connections[-1]
-    _, output_read = read_streams(layer_streams[-1], *output(), output.eps)
-    return steps, output_read
-
-
-RECURRENCES = {
-    "prenorm": plain_coefficients,
-    "rezero": scaled_output_coefficients,
-    "layerscale": scaled_output_coefficients,
-    "highway": highway_coefficients,
-    "mhc": hyper_connection_coefficients,
-}
+    for layer, stream, attention_output in zip(layers, layer_streams[:-1], attention_outputs, strict=True):
+        attention_head, mlp_head = layer._head("self_attention"), layer._head("mlp")
+        depth = DepthState((), stream.new_zeros(0), stream)
+        mlp_stream = rule.write(depth, attention_output, attention_head, norm=None).partial_sum
+        steps += [rule.coefficients(stream, attention_head), rule.coefficients(mlp_stream, mlp_head)]
+    output_head = tuple(getattr(decoder, f"output_attn_res_{part}") for part in rule.output_parts)
+    return steps, rule.coefficients(layer_streams[-1], output_head)
 
 
 @torch.no_grad()
@@ -303,25 +238,21 @@ def token_mixing_matrices(model: AttnResForCausalLM, input_ids: torch.Tensor) ->
     """Each token's depth-mixing matrix -> [B,T,R,S], R = 2L + 1 rows (A0, M0, ..., the output), S = 1 + 2L sources
     (the embedding, A0, M0, ...): the depth weights for AttnRes and DenseFormer, the products of the recurrence's
     coefficients for the others."""
-    config = model.config
-    mode = config.attnres_mode
-    if mode == "postnorm":
-        raise AnalysisError(
-            "analyze: PostNorm normalises the stream after each sum, so no sublayer reads a weighted sum of the "
-            "sources: it has no depth-mixing matrix"
-        )
+    config, rule = model.config, model.model.rule
+    if rule.no_mixing_matrix is not None:
+        raise AnalysisError(f"analyze: {rule.no_mixing_matrix}: it has no depth-mixing matrix")
     input_ids = input_ids.to(model.device)
 
     def run():
         return model(input_ids, output_depth_weights=True)
 
-    if mode not in RECURRENCES:  # the rules that weigh sources say how
+    if rule.mixes_sources:  # their depth weights are their rows
         depth_weights = run().depth_weights
         rows = [spread_over_outputs(config, row, weights.float().cpu()) for row, weights in enumerate(depth_weights)]
         return torch.stack(rows, dim=-2)
-    steps, output_read = RECURRENCES[mode](model, input_ids, run)
-    steps = [StreamCoefficients(*(t.float().cpu() for t in (s.read, s.carry, s.write))) for s in steps]
-    return recurrence_rows(steps, output_read.float().cpu())
+    steps, output = recurrence_coefficients(model, run)
+    steps = [StreamCoefficients(*(t.float().cpu() for t in step)) for step in steps]
+    return recurrence_rows(steps, output.read.float().cpu())
 
 
 def mixing_matrix(model: AttnResForCausalLM, input_ids: torch.Tensor) -> list[list[float | None]]:
@@ -489,7 +420,7 @@ def analyze(
                 f"--compare {label}: it has {other.config.num_hidden_layers} layers, the model "
                 f"{config.num_hidden_layers}; compare models of one depth"
             )
-        if other.config.attnres_mode != "postnorm":  # no weighted sum of the sources to draw
+        if other.model.rule.no_mixing_matrix is None:  # else no weighted sum of the sources to draw
             mixing[f"{label}: {other.config.attnres_mode}"] = mixing_matrix(other, input_ids)
     report["mixing_matrices"] = mixing
     if baseline is not None:

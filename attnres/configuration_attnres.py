@@ -16,7 +16,7 @@ import transformers
 from packaging.version import Version
 
 from .families import ENCODER, FAMILIES, OLDEST_TRANSFORMERS, PARALLEL, POST_NORM, REFUSED_FAMILIES, SUPPORTED_FAMILIES
-from .rules import ATTNRES_MODES, ATTNRES_OPTIONS, DEFAULT_NUM_STREAMS, MODES, OPTION_MODES, RULE_OPTIONS, RULES
+from .rules import ATTNRES_MODES, ATTNRES_OPTIONS, DEFAULT_NUM_STREAMS, OPTION_MODES, RULE_OPTIONS, RULES
 
 # --------------------------------------------------------------------------------------------------------------------
 # Seam: transformers' private parts. This file, modeling_attnres.py and depth_mixing.py (with families.py and rules.py,
@@ -244,8 +244,8 @@ class AttnResConfig(PreTrainedConfig):
         saving and printing go through) before it writes. Raises `AttnResConfigError` naming the setting, its value
         and what it takes."""
         num_layers = self.text_config.num_hidden_layers
-        if not isinstance(self.attnres_mode, str) or self.attnres_mode not in MODES:
-            raise AttnResConfigError(f"attnres_mode: got {self.attnres_mode!r}, expected one of {MODES}.")
+        if not isinstance(self.attnres_mode, str) or self.attnres_mode not in RULES:
+            raise AttnResConfigError(f"attnres_mode: got {self.attnres_mode!r}, expected one of {tuple(RULES)}.")
         for name in ("attnres_scale_by_num_sources", "attnres_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise AttnResConfigError(f"{name}: got {getattr(self, name)!r}, expected true or false.")

@@ -851,6 +851,22 @@ def write_streams(
 Head = tuple[nn.Module, ...]  # the modules one sublayer's rule learns, in the order of the rule's `parts`
 
 
+class StreamCoefficients(NamedTuple):
+    """One sublayer of a recurrence on m streams H [B,T,m,d] (m = 1 but for mHC), as its coefficients in the
+    depth-mixing matrix M (paper §3, Table 1): it reads sum_j read_j H_j, then writes H <- carry @ H + write y, per
+    token. fp32; a per-channel coefficient enters as its mean over the channels."""
+
+    read: torch.Tensor  # [B,T,m]
+    carry: torch.Tensor | None  # [B,T,m,m]; None for the output, which writes nothing
+    write: torch.Tensor | None  # [B,T,m]
+
+
+def plain_coefficients(stream: torch.Tensor, carry: float | torch.Tensor = 1.0, write: float | torch.Tensor = 1.0):
+    """The coefficients of h <- carry h + write y on one stream [B,T,d] (carry, write: numbers or [B,T,1])."""
+    ones = stream.new_ones(*stream.shape[:-1], 1, dtype=torch.float32)
+    return StreamCoefficients(ones, (ones * carry).unsqueeze(-1), ones * write)
+
+
 class DepthRule:
     """A depth-mixing rule as the decoder layers run it. `parts` names the modules of one sublayer's head (the model
     registers them as `<sublayer>_res_<part>`); `heads` builds them. The sublayer's input norm is handed to `read` and
@@ -903,6 +919,15 @@ class DepthRule:
         """The depth state with the sublayer's output [B,T,d] joined."""
         return depth.add(output)
 
+    # Why the rule has no depth-mixing matrix M, where it has none
+    no_mixing_matrix: str | None = None
+
+    def coefficients(self, stream: torch.Tensor, head: Head) -> StreamCoefficients:
+        """A recurrence's coefficients in M for the sublayer (or, with the output's head, the output) that reads
+        `stream`, the depth state's partial sum. Rules that weigh sources (`mixes_sources`) have their depth weights
+        as their rows of M instead."""
+        return plain_coefficients(stream)
+
 
 class AttnResRule(DepthRule):
     """Block and Full AttnRes: each sublayer's input is its depth attention over the sources, as `options` (the
@@ -943,6 +968,10 @@ class AttnResRule(DepthRule):
 class PostNormRule(DepthRule):
     """h <- norm(h + f(h)): the sublayer reads the stream as it is, which the norm of the last write has normalised."""
 
+    no_mixing_matrix = (
+        "PostNorm normalises the stream after each sum, so no sublayer reads a weighted sum of the sources"
+    )
+
     def read(self, depth, head, norm, scores, policy):
         return depth.partial_sum, None
 
@@ -978,6 +1007,12 @@ class ScaledOutputRule(DepthRule):
         (scale,) = head
         return depth.add(output * scale().to(output.dtype))
 
+    def coefficients(self, stream, head):
+        if not head:  # the output, which reads the stream
+            return plain_coefficients(stream)
+        (scale,) = head
+        return plain_coefficients(stream, write=scale().detach().float().mean())
+
 
 class HighwayRule(DepthRule):
     """h <- (1 - g) h + g f(norm(h)), g = sigmoid(w . h/rms(h) + b) per token."""
@@ -993,6 +1028,13 @@ class HighwayRule(DepthRule):
         # Under autocast the output is narrower than the stream, and lerp takes one dtype: the stream's, as an add would
         mixed = torch.lerp(stream, output.to(stream.dtype), gate(stream))
         return DepthState(depth.completed_blocks, depth.completed_inv_rms, mixed)
+
+    def coefficients(self, stream, head):
+        if not head:  # the output, which reads the stream
+            return plain_coefficients(stream)
+        (gate,) = head
+        opening = gate(stream).float().mean(-1, keepdim=True)  # [B,T,1]
+        return plain_coefficients(stream, carry=1 - opening, write=opening)
 
 
 class DenseFormerRule(DepthRule):
@@ -1057,6 +1099,15 @@ class HyperConnectionRule(DepthRule):
         parameters = [parameter.to(streams.device) for parameter in connection()]
         streams = recomputed(partial(write_streams, eps=connection.eps), streams, output, *parameters)
         return DepthState(depth.completed_blocks, depth.completed_inv_rms, streams)
+
+    def coefficients(self, stream, head):
+        (connection,) = head
+        parameters = [parameter.to(stream.device) for parameter in connection()]
+        _, alpha = read_streams(stream, *parameters, connection.eps)
+        if not connection.writes:  # the output's read
+            return StreamCoefficients(alpha, None, None)
+        beta, carry = write_coefficients(stream, *parameters, connection.eps)
+        return StreamCoefficients(alpha, carry, beta)
 
 
 DEPTH_RULES = {
