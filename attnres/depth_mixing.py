@@ -793,12 +793,16 @@ class HyperConnection(RuleModule):
 
 
 def sinkhorn_knopp(logits: torch.Tensor, iterations: int) -> torch.Tensor:
-    """[..., m, m] logits -> doubly stochastic matrices: exp, then rows and columns normalised in turn (the last
-    normalisation makes the columns sum to 1 exactly, the rows to within the iterations' convergence)."""
+    """[..., m, m] logits -> doubly stochastic matrices: exp, then columns and rows normalised in turn, as the paper's
+    Eq. 9 (M(t) = T_r(T_c(M(t-1)))). The last normalisation makes the rows sum to 1 exactly, the columns to within
+    the iterations' convergence. Exact rows make each written stream a convex combination of the streams read (none
+    grows past the largest) and keep equal copies equal, so a converted model computes its source. With the columns
+    exact instead, a tiny model leaning 0.9 to the identity found the rows' gap and widened it: rows summing to 0.5 to
+    2 after 100 AdamW steps at lr 1e-2 (measured)."""
     matrix = (logits - logits.amax(dim=(-2, -1), keepdim=True)).exp()  # shifted: the same matrix, without overflow
     for _ in range(iterations):
-        matrix = matrix / matrix.sum(dim=-1, keepdim=True)
         matrix = matrix / matrix.sum(dim=-2, keepdim=True)
+        matrix = matrix / matrix.sum(dim=-1, keepdim=True)
     return matrix
 
 

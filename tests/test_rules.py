@@ -28,7 +28,7 @@ from attnres.analysis import depth_weight_entropy
 from attnres.cards import describe_layout
 from attnres.configuration_attnres import RESIDUAL_RULES, AttnResConfigError
 from attnres.conversion import ConversionError, convert_to_attnres
-from attnres.depth_mixing import write_coefficients
+from attnres.depth_mixing import sinkhorn_knopp, write_coefficients
 from attnres.folders import read_metrics
 
 EXACT_RULES = [name for name, rule in RESIDUAL_RULES.items() if rule.converts is None]
@@ -217,6 +217,19 @@ def test_mhc_streams_part_and_stay_mixed_by_doubly_stochastic_matrices_as_it_tra
         assert layer.layer_idx == 0 or (mix - 1 / 3).abs().max() > 5e-4
     last = streams_read[-1]  # its streams differ by 1.5e-3 of their largest value (measured), equal copies by none
     assert (last - last.mean(-2, keepdim=True)).abs().max() > 1e-4 * last.abs().max()
+
+
+def test_sinkhorn_knopp_normalises_columns_then_rows_so_that_rows_sum_to_1_exactly():
+    """The paper's Eq. 9 order: however few the iterations, every row sums to 1 to float rounding (each written stream
+    is a convex combination of the streams read, and equal copies stay equal); the columns only converge to it. From
+    logits spread as 4 * N(0, 1), columns are off by 1.34 after one iteration and by 6.8e-2 after 20 (measured)."""
+    torch.manual_seed(0)
+    logits = 4 * torch.randn(256, 4, 4)
+    for iterations, column_error in ((1, 1.34), (20, 6.8e-2)):
+        matrix = sinkhorn_knopp(logits, iterations)
+        assert matrix.min() >= 0
+        torch.testing.assert_close(matrix.sum(-1), torch.ones(256, 4), rtol=0, atol=1e-6)
+        assert (matrix.sum(-2) - 1).abs().max().item() == pytest.approx(column_error, rel=0.02)
 
 
 def test_mhc_needs_two_streams_and_a_config_edited_away_from_its_streams_is_refused(tmp_path):
