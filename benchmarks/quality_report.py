@@ -318,7 +318,9 @@ def test_table(runs: list[dict], study: str) -> str:
         header = ["rule", "seeds", "tokens per run", "learning rate (own, on validation)", "test loss (mean ± sd)",
                   "Δ vs PreNorm on test, same seed: mean [95% CI], p", "p, Holm over this table",
                   "CPU s per step (vs PreNorm)"]  # fmt: skip
-        shared = [run["corpus"]["shared_with_train"] for group in groups.values() for run in group.values()]
+        corpora = [run["corpus"] for group in groups.values() for run in group.values()]
+        shared = [corpus["shared_with_train"] for corpus in corpora]
+        (window_bytes,) = {corpus["hold_out"]["window_bytes"] for corpus in corpora}
         overlap = ", ".join(
             f"{split} {min(s[split] for s in shared):.1%} to {max(s[split] for s in shared):.1%}"
             for split in ("validation", "test")
@@ -327,7 +329,7 @@ def test_table(runs: list[dict], study: str) -> str:
             f"**Size `{size}`**\n",
             table(header, rows),
             "",
-            f"Held-out text found verbatim in training ({runs[0]['corpus']['hold_out']['window_bytes']}-byte windows, "
+            f"Held-out text found verbatim in training ({window_bytes}-byte windows, "
             f"over the seeds): {overlap}.",
             "",
             gap_table(groups, size),
