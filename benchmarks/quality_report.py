@@ -329,8 +329,7 @@ def test_table(runs: list[dict], study: str) -> str:
             f"**Size `{size}`**\n",
             table(header, rows),
             "",
-            f"Held-out text found verbatim in training ({window_bytes}-byte windows, "
-            f"over the seeds): {overlap}.",
+            f"Held-out text found verbatim in training ({window_bytes}-byte windows, over the seeds): {overlap}.",
             "",
             gap_table(groups, size),
             "",
