@@ -290,6 +290,7 @@ class AttnResConfig(PreTrainedConfig):
             )
         self._check_streams()
         self._check_options()
+        self._check_input_norms()
         if self.attnres_eps is None:
             self.attnres_eps = getattr(self.text_config, FAMILIES[self.text_config.model_type].norm_eps_key)
         if not _is_real(self.attnres_eps) or not self.attnres_eps > 0:
@@ -325,6 +326,17 @@ class AttnResConfig(PreTrainedConfig):
                 f"attnres_num_streams: {streams} streams add {added:,} parameters ({added * 4 / 1e9:.1f} GB in "
                 f"float32), over {MAX_STREAM_PARAMETERS_RATIO}x the source model's ~{source:,}: the paper uses 4; "
                 "choose fewer streams."
+            )
+
+    def _check_input_norms(self) -> None:
+        """PostNorm normalises the stream with each sublayer's input norm: on a family without one it would silently
+        compute PreNorm."""
+        model_type = self.text_config.model_type
+        family = FAMILIES[model_type]
+        if self.attnres_mode == "postnorm" and None in (family.attention_input_norm, family.mlp_input_norm):
+            raise AttnResConfigError(
+                f"attnres_mode='postnorm' normalises the stream with each sublayer's input norm, and {model_type} has "
+                "none (it normalises only sublayer outputs), so it would compute PreNorm: use another rule."
             )
 
     def _check_options(self) -> None:

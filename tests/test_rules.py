@@ -166,6 +166,16 @@ def test_a_highway_model_saved_before_the_gate_option_is_known_as_the_token_gate
         assert torch.equal(attnres.AttnResForCausalLM.from_pretrained(tmp_path)(ids).logits, model(ids).logits)
 
 
+@pytest.mark.parametrize("family", ["olmo2", "olmo3", "exaone4"])
+def test_postnorm_is_refused_on_families_without_input_norms(family):
+    """Their sublayers read the stream without an input norm, the norm PostNorm normalises the stream with: it would
+    silently compute PreNorm."""
+    text_config = tiny_source_config(family, num_layers=2).to_dict()
+    with pytest.raises(AttnResConfigError, match=rf"'postnorm' .* and {family} has none .*: use another rule"):
+        attnres.AttnResConfig(text_config=text_config, attnres_mode="postnorm")
+    attnres.AttnResConfig(text_config=text_config, attnres_mode="prenorm")  # the other rules stay open
+
+
 @pytest.fixture(scope="module")
 def text_batches() -> tuple[torch.Tensor, torch.Tensor]:
     """Training and held-out sequences of two different standard-library modules, as the tiny tokenizer reads them."""
