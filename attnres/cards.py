@@ -130,7 +130,11 @@ def rule_layout(config: AttnResConfig) -> str:
     num_layers = config.text_config.num_hidden_layers
     num_output_sources = config.num_sources()[-1]
     if config.attnres_mode not in ATTNRES_MODES:
-        return f"{RULES[config.attnres_mode].label}, over {num_layers} decoder layers (not AttnRes)."
+        rule = RULES[config.attnres_mode]
+        # Its options (mHC's streams, Highway's gate): the same rule holds other parameters under each
+        settings = ", ".join(f"{name}={getattr(config, name)!r}" for name in rule.options)
+        label = f"{rule.label} with {settings}" if settings else rule.label
+        return f"{label}, over {num_layers} decoder layers (not AttnRes)."
     if config.attnres_mode == "full":
         window = config.attnres_window
         outputs = "every sublayer output" if window is None else f"the {window} latest sublayer outputs"

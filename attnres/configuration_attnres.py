@@ -121,6 +121,16 @@ def _check_family(text_config: PreTrainedConfig) -> None:
         )
 
 
+def _with_options_saved_before(saved: dict | None) -> dict | None:
+    """A saved layout with the options its rule gained since it was saved, at the value its weights hold
+    (`RuleOption.saved_before`: Highway's gate was a scalar per token before it had the option)."""
+    rule = RULES.get(saved.get("attnres_mode")) if saved is not None else None
+    if rule is None:
+        return saved
+    options = {name: RULE_OPTIONS[name].saved_before for name in rule.options}
+    return {name: value for name, value in options.items() if value is not None} | saved
+
+
 class AttnResConfig(PreTrainedConfig):
     r"""
     Args:
@@ -133,9 +143,10 @@ class AttnResConfig(PreTrainedConfig):
             over the embedding and every earlier sublayer output. The others are the rules the paper compares AttnRes
             with: `"prenorm"` (the source's own residual stream), `"postnorm"` (the stream normalised after each
             sublayer, by that sublayer's input norm), `"rezero"` and `"layerscale"` (each sublayer output scaled by a
-            learned scalar or per-channel vector), `"highway"` (a per-token gate g = sigmoid(w . h/rms(h) + b) between
-            the stream and the output), `"denseformer"` (each sublayer input a learned weighted sum of the embedding
-            and every earlier output, weights 1 at init). `"mhc"`: manifold-constrained hyper-connections (DeepSeek,
+            learned scalar or per-channel vector), `"highway"` (a per-channel gate g = sigmoid(W h/rms(h) + b)
+            between the stream and the output, h <- (1 - g) h + g f; see `attnres_highway_gate`), `"denseformer"`
+            (each sublayer input a learned weighted sum of the embedding and every earlier output, weights 1 at
+            init). `"mhc"`: manifold-constrained hyper-connections (DeepSeek,
             arXiv 2512.24880): `attnres_num_streams` residual streams, each sublayer reading a learned mix of them and
             writing its output into each with its own weight, the streams mixed by a per-token doubly stochastic
             matrix (Sinkhorn-Knopp); it starts as the plain residual stream.
@@ -178,6 +189,11 @@ class AttnResConfig(PreTrainedConfig):
             sublayer's projection holds (m + 2) * m^2 * hidden_size parameters (96 * hidden_size at m = 4); a count
             whose projections would outweigh the source model more than `MAX_STREAM_PARAMETERS_RATIO` times is
             refused. An option of `"mhc"` only: another value under another rule is refused.
+        attnres_highway_gate (`str`, defaults to `"channel"`):
+            The gate of `"highway"` mode. `"channel"`: one gate per channel, g = sigmoid(W h/rms(h) + b) with W a
+            hidden_size x hidden_size matrix (zero at init) and b a vector (-1 at init) per sublayer, as Highway
+            Networks gate. `"token"`: one scalar gate per token, g = sigmoid(w . h/rms(h) + b), w a vector and b a
+            scalar. An option of `"highway"` only; saved with the weights, since the two hold different parameters.
         attnres_query (`str`, defaults to `"pseudo"`):
             Block and Full AttnRes: what scores the sources. `"pseudo"`: the paper's learned pseudo-query w.
             `"projected"` (ablation): an input-dependent query w + W RMSNorm(v) / hidden_size per token, v the latest
@@ -198,8 +214,8 @@ class AttnResConfig(PreTrainedConfig):
         attnres_saved_layout (`dict`, *optional*):
             Written by `save_pretrained`, not set by hand: the depth layout (`depth_layout()`) of the weights saved
             beside this config. Loading a config.json whose `attnres_mode`, `attnres_block_size`,
-            `attnres_num_streams` or ablation options were edited away from it is refused, since the same weights
-            would then compute something else. Changing the layout from Python
+            `attnres_num_streams`, `attnres_highway_gate` or ablation options were edited away from it is refused,
+            since the same weights would then compute something else. Changing the layout from Python
             (`from_pretrained(..., attnres_block_size=4)`) is not refused: that is a deliberate choice.
     """
 
@@ -216,6 +232,7 @@ class AttnResConfig(PreTrainedConfig):
     attnres_recompute: bool = False
     attnres_compiled_mix: str = "inline"
     attnres_num_streams: int = DEFAULT_NUM_STREAMS
+    attnres_highway_gate: str = "channel"
     attnres_query: str = "pseudo"
     attnres_score: str = "softmax"
     attnres_key_norm: bool = True
@@ -273,6 +290,7 @@ class AttnResConfig(PreTrainedConfig):
             )
         self._check_streams()
         self._check_options()
+        self._check_input_norms()
         if self.attnres_eps is None:
             self.attnres_eps = getattr(self.text_config, FAMILIES[self.text_config.model_type].norm_eps_key)
         if not _is_real(self.attnres_eps) or not self.attnres_eps > 0:
@@ -310,9 +328,20 @@ class AttnResConfig(PreTrainedConfig):
                 "choose fewer streams."
             )
 
+    def _check_input_norms(self) -> None:
+        """PostNorm normalises the stream with each sublayer's input norm: on a family without one it would silently
+        compute PreNorm."""
+        model_type = self.text_config.model_type
+        family = FAMILIES[model_type]
+        if self.attnres_mode == "postnorm" and None in (family.attention_input_norm, family.mlp_input_norm):
+            raise AttnResConfigError(
+                f"attnres_mode='postnorm' normalises the stream with each sublayer's input norm, and {model_type} has "
+                "none (it normalises only sublayer outputs), so it would compute PreNorm: use another rule."
+            )
+
     def _check_options(self) -> None:
-        """The ablation options: each of its values, on the modes it applies to, in combinations that mean something."""
-        for name, option in ATTNRES_OPTIONS.items():
+        """The rule options: each of its values, on the modes it applies to, in combinations that mean something."""
+        for name, option in RULE_OPTIONS.items():
             value = getattr(self, name)
             if value == option.default:
                 continue
@@ -339,13 +368,14 @@ class AttnResConfig(PreTrainedConfig):
             )
 
     def depth_layout(self) -> dict:
-        """The settings that decide what trained weights compute: the rule, and for Block AttnRes its block size, for
-        mHC its number of streams, for AttnRes the ablation options set away from their defaults."""
+        """The settings that decide what trained weights compute: the rule, and for Block AttnRes its block size, its
+        options that are not ablations (mHC's number of streams, Highway's gate), for AttnRes the ablation options set
+        away from their defaults."""
+        rule = RULES[self.attnres_mode]
         layout = {"attnres_mode": self.attnres_mode}
-        if RULES[self.attnres_mode].sources == "blocks":
+        if rule.sources == "blocks":
             layout["attnres_block_size"] = self.attnres_block_size
-        if "attnres_num_streams" in RULES[self.attnres_mode].options:
-            layout["attnres_num_streams"] = self.attnres_num_streams
+        layout |= {name: getattr(self, name) for name in rule.options if not RULE_OPTIONS[name].ablation}
         # Only those set: a layout saved before the options existed is the same layout
         return layout | {name: getattr(self, name) for name in self.ablated_options()}
 
@@ -354,7 +384,7 @@ class AttnResConfig(PreTrainedConfig):
         return tuple(name for name, option in ATTNRES_OPTIONS.items() if getattr(self, name) != option.default)
 
     def _check_saved_layout(self) -> None:
-        saved, layout = self.attnres_saved_layout, self.depth_layout()
+        saved, layout = _with_options_saved_before(self.attnres_saved_layout), self.depth_layout()
         self.attnres_saved_layout = None  # `to_dict` writes the layout the config has when it is saved
         if saved is None or saved == layout:
             return

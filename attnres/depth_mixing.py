@@ -698,18 +698,25 @@ class ResidualScale(RuleModule):
 
 
 class HighwayGate(RuleModule):
-    """The per-token gate g = sigmoid(w . h/rms(h) + b) of one sublayer, read from the stream h before it.
+    """The gate of one sublayer, read from the stream h before it: per channel (Highway Networks' gate, Srivastava et
+    al. 2015), g = sigmoid(W h/rms(h) + b) with W [d,d] and b [d]; or per token, g = sigmoid(w . h/rms(h) + b) with w
+    [d] and b a scalar.
 
-    w starts at zero and b at `INITIAL_BIAS`, so every token starts with the same gate, leaning to carry the stream
-    (Highway Networks' advice of a negative bias); normalising h keeps the gate's scale independent of depth.
+    W (or w) starts at zero and b at `INITIAL_BIAS`, so every token and channel starts with the same gate,
+    sigmoid(-1) = 0.27, leaning to carry the stream (Highway Networks' advice of a negative bias). The stream is
+    RMS-normalised first because its scale grows with depth: on the raw stream the same W would open the gates of deep
+    sublayers further than those of shallow ones, and their logits would move faster under training.
     """
 
     INITIAL_BIAS = -1.0
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, per_channel: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
-        self.bias = nn.Parameter(torch.full((1,), self.INITIAL_BIAS))  # [1], not a scalar: FSDP2 shards dim 0
+        self.per_channel = per_channel
+        weight_shape = (hidden_size, hidden_size) if per_channel else (hidden_size,)
+        self.weight = nn.Parameter(torch.zeros(weight_shape))
+        bias_shape = (hidden_size,) if per_channel else (1,)  # [1], not a scalar: FSDP2 shards dim 0
+        self.bias = nn.Parameter(torch.full(bias_shape, self.INITIAL_BIAS))
         self.eps = eps
 
     def init_weights(self, init) -> None:
@@ -717,11 +724,28 @@ class HighwayGate(RuleModule):
         init.constant_(self.bias, self.INITIAL_BIAS)
 
     def forward(self, stream: torch.Tensor) -> torch.Tensor:
-        """[B,T,d] -> g [B,T,1] in the stream's dtype"""
-        with fp32_region(stream):
-            # A product and a sum, not a matmul of an fp32 copy: autograd then keeps the stream as it is, not the copy
-            logit = (stream * upcast(self.weight)).sum(-1) * inverse_rms(stream, self.eps) + upcast(self.bias)
-        return torch.sigmoid(logit).unsqueeze(-1).to(stream.dtype)
+        """[B,T,d] -> g [B,T,d] per channel ([B,T,1] per token) in the stream's dtype"""
+        if not self.per_channel:
+            return token_gate(stream, self.weight, self.bias, self.eps)
+        # Recomputed in backward: the fp32 normalised stream and logits that the matmul and sigmoid would keep are
+        # each twice a bf16 stream, per sublayer
+        return recomputed(partial(channel_gate, eps=self.eps), stream, self.weight, self.bias)
+
+
+def channel_gate(stream: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """Highway's per-channel gate sigmoid(W h/rms(h) + b), fp32 inside. -> [B,T,d] in the stream's dtype"""
+    with fp32_region(stream):
+        normalized = upcast(stream) * inverse_rms(stream, eps).unsqueeze(-1)
+        logits = torch.addmm(upcast(bias), normalized.flatten(0, -2), upcast(weight).T).view_as(normalized)
+        return torch.sigmoid(logits).to(stream.dtype)
+
+
+def token_gate(stream: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """The per-token gate sigmoid(w . h/rms(h) + b). -> [B,T,1] in the stream's dtype"""
+    with fp32_region(stream):
+        # A product and a sum, not a matmul of an fp32 copy: autograd then keeps the stream as it is, not the copy
+        logit = (stream * upcast(weight)).sum(-1) * inverse_rms(stream, eps) + upcast(bias)
+    return torch.sigmoid(logit).unsqueeze(-1).to(stream.dtype)
 
 
 class SourceWeights(RuleModule):
@@ -1035,12 +1059,19 @@ class ScaledOutputRule(DepthRule):
 
 
 class HighwayRule(DepthRule):
-    """h <- (1 - g) h + g f(norm(h)), g = sigmoid(w . h/rms(h) + b) per token."""
+    """h <- (1 - g) h + g f(norm(h)), g = sigmoid(W h/rms(h) + b) per channel (`HighwayGate`; the config's
+    `attnres_highway_gate="token"`: sigmoid(w . h/rms(h) + b) per token)."""
 
     parts = ("gate",)
 
+    def __init__(self, per_channel: bool = True):
+        self.per_channel = per_channel
+
+    def configured(self, config) -> "HighwayRule":
+        return HighwayRule(per_channel=config.attnres_highway_gate == "channel")
+
     def heads(self, config, sources, sublayer):
-        return {"gate": HighwayGate(config.text_config.hidden_size, config.attnres_eps)}
+        return {"gate": HighwayGate(config.text_config.hidden_size, config.attnres_eps, self.per_channel)}
 
     def write(self, depth, output, head, norm):
         (gate,) = head
@@ -1053,6 +1084,8 @@ class HighwayRule(DepthRule):
         if not head:  # the output, which reads the stream
             return plain_coefficients(stream)
         (gate,) = head
+        # A per-channel gate enters as its mean: exact where the channels' gates are equal (at init), else the mix of
+        # the average channel, since each channel's own row multiplies its own gates down the depth
         opening = gate(stream).float().mean(-1, keepdim=True)  # [B,T,1]
         return plain_coefficients(stream, carry=1 - opening, write=opening)
 

@@ -162,6 +162,7 @@ class TrainingConfig:
     depth_heads: int | None = field(default=None, metadata=rule_option_metadata("attnres_depth_heads"))
     window: int | None = field(default=None, metadata=rule_option_metadata("attnres_window"))
     num_streams: int | None = field(default=None, metadata=rule_option_metadata("attnres_num_streams"))
+    highway_gate: str | None = field(default=None, metadata=rule_option_metadata("attnres_highway_gate"))
     # Data
     dataset: str | None = field(
         default=None,

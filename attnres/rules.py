@@ -24,6 +24,9 @@ class RuleOption:
     choices: tuple | None = None
     converts: str | None = None
     ablation: bool = True
+    # The value of weights saved before the option existed, whose saved layout therefore lacks it (None: the option
+    # is as old as its rule, or an ablation, which a layout holds only away from its default)
+    saved_before: object = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,15 @@ RULE_OPTIONS = {
         DEFAULT_NUM_STREAMS,
         ablation=False,
     ),
+    "attnres_highway_gate": RuleOption(
+        "highway_gate",
+        "Highway: the gate between the stream and each sublayer output: channel, one gate per channel from a d x d "
+        "matrix, as Highway Networks (default); token, one scalar gate per token from a vector",
+        "channel",
+        ("channel", "token"),
+        ablation=False,
+        saved_before="token",  # the scalar gate was Highway's only one until the option came
+    ),
 }
 DEPTH_ATTENTION_OPTIONS = ("attnres_query", "attnres_score", "attnres_key_norm", "attnres_depth_heads")
 
@@ -107,6 +119,7 @@ RULES = {
         "Highway (an input-dependent gate between the stream and each sublayer output)",
         "stream",
         "its gate mixes the stream and the sublayer output as (1 - g) h + g f, which is never the plain sum h + f",
+        options=("attnres_highway_gate",),
     ),
     "denseformer": RuleSpec("DenseFormer (learned static weights over every earlier output)", "outputs"),
     "mhc": RuleSpec(

@@ -27,6 +27,7 @@ BAD_VALUES = {
     "attnres_recompute": ("yes", "attnres_recompute: got 'yes', expected true or false"),
     "attnres_window": (2, "attnres_window: 2 is an option of attnres_mode='full', not of attnres_mode='block'"),
     "attnres_num_streams": (3, "attnres_num_streams: 3 is an option of attnres_mode='mhc'"),
+    "attnres_highway_gate": ("token", "attnres_highway_gate: 'token' is an option of attnres_mode='highway', not of"),
     "attnres_depth_heads": (0, "attnres_depth_heads: got 0, expected a positive integer"),
 }
 
@@ -93,6 +94,7 @@ def test_an_implementation_set_on_a_loaded_model_is_checked_when_it_runs(saved):
         ({"mode": "block", "num_streams": 3}, "--num-streams is an option of --mode mhc; --mode block has none"),
         ({"mode": "mhc", "query": "projected"}, "--query is an option of --mode block or full; --mode mhc"),
         ({"mode": "block", "window": 3}, "--window is an option of --mode full"),
+        ({"mode": "mhc", "highway_gate": "token"}, "--highway-gate is an option of --mode highway; --mode mhc has"),
         ({"mode": "mhc", "attnres_recompute": True}, "--attnres-recompute recomputes the depth mix"),
         ({"mode": "prenorm", "train": "attnres"}, "--train attnres trains the rule's own parameters, and --mode"),
     ],
@@ -111,4 +113,5 @@ def test_the_rules_declare_what_their_classes_do():
         **dict.fromkeys(("attnres_query", "attnres_score", "attnres_key_norm", "attnres_depth_heads"), ATTNRES_MODES),
         "attnres_window": ("full",),
         "attnres_num_streams": ("mhc",),
+        "attnres_highway_gate": ("highway",),
     }

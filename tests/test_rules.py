@@ -28,7 +28,15 @@ from attnres.analysis import depth_weight_entropy
 from attnres.cards import describe_layout
 from attnres.configuration_attnres import AttnResConfigError
 from attnres.conversion import ConversionError, convert_to_attnres
-from attnres.depth_mixing import HyperConnection, sinkhorn_knopp, write_coefficients, write_streams
+from attnres.depth_mixing import (
+    DepthState,
+    HighwayGate,
+    HighwayRule,
+    HyperConnection,
+    sinkhorn_knopp,
+    write_coefficients,
+    write_streams,
+)
 from attnres.folders import read_metrics
 from attnres.rules import RULES
 
@@ -72,6 +80,100 @@ def test_exact_rules_convert_to_what_the_source_computes(rule, family):
 def test_rules_that_cannot_start_exact_are_refused_for_conversion(rule):
     with pytest.raises(ConversionError, match=rf"--mode {rule} cannot start as the source computes: .*--from-scratch"):
         convert_to_attnres(tiny_source_model("llama"), mode=rule)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Highway's gate, per channel (Highway Networks) or per token
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def highway_write(gate: HighwayGate, stream: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """The stream after Highway's write of `output`, as the decoder layers run it."""
+    rule = HighwayRule(per_channel=gate.per_channel)
+    depth = DepthState((), stream.new_zeros(*stream.shape[:-1], 0), stream)
+    return rule.write(depth, output, (gate,), norm=None).partial_sum
+
+
+def random_highway_gate(per_channel: bool, hidden_size: int = 64, eps: float = 1e-6) -> HighwayGate:
+    gate = HighwayGate(hidden_size, eps, per_channel)
+    with torch.no_grad():
+        gate.weight.copy_(0.2 * torch.randn(gate.weight.shape))
+        gate.bias.copy_(torch.randn(gate.bias.shape) - 1)
+    return gate
+
+
+def test_highway_writes_the_paper_s_per_channel_gate():
+    """Highway Networks (Srivastava et al. 2015, Eq. 3 with C = 1 - T): y = H(x) * T(x) + x * (1 - T(x)), the transform
+    gate T(x) = sigmoid(W_T x + b_T) per channel. Ours: x is the stream h, RMS-normalised inside the gate only, and H(x)
+    the sublayer's output f."""
+    torch.manual_seed(0)
+    gate = random_highway_gate(per_channel=True)
+    h, f = 3 * torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    W, b, eps = gate.weight.detach(), gate.bias.detach(), gate.eps
+    rmsnorm_h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    T = torch.sigmoid(rmsnorm_h @ W.T + b)  # [B,T,d]: a gate per channel
+    y = f * T + h * (1 - T)
+    written = highway_write(gate, h, f)
+    print(f"per-channel Highway against the paper's equation: max difference {(written - y).abs().max():.3g}")
+    assert (written - y).abs().max() <= 1e-6
+    assert T.std(-1).min() > 0.05  # the channels' gates differ: a scalar gate could not give y
+
+
+def test_the_token_gate_is_the_scalar_gate_highway_had():
+    """`attnres_highway_gate="token"`: g = sigmoid(w . h/rms(h) + b), one scalar per token."""
+    torch.manual_seed(0)
+    gate = random_highway_gate(per_channel=False)
+    h, f = 3 * torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    w, b, eps = gate.weight.detach(), gate.bias.detach(), gate.eps
+    g = torch.sigmoid((h * w).sum(-1, keepdim=True) / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps) + b)
+    assert gate.weight.shape == (64,) and gate.bias.shape == (1,)
+    assert (highway_write(gate, h, f) - ((1 - g) * h + g * f)).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("gate, shapes", [("channel", [(64, 64), (64,)]), ("token", [(64,), (1,)])])
+def test_highway_starts_every_gate_at_sigmoid_minus_one_and_saves_its_kind(gate, shapes, tmp_path):
+    """W = 0 and b = -1: every channel of every token opens sigmoid(-1) = 0.27 at init. The saved layout holds the
+    gate's kind, so that a config.json edited to the other kind is refused."""
+    model = scratch_model("llama", "highway", attnres_highway_gate=gate)
+    head = model.model.layers[0].self_attention_res_gate
+    assert [tuple(parameter.shape) for parameter in (head.weight, head.bias)] == shapes
+    assert torch.equal(head.weight, torch.zeros(shapes[0])) and torch.equal(head.bias, torch.full(shapes[1], -1.0))
+    stream = torch.randn(2, 3, 64)
+    torch.testing.assert_close(head(stream), torch.full_like(stream[..., : shapes[1][0]], 0.2689414), rtol=0, atol=1e-7)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["attnres_saved_layout"] == {"attnres_mode": "highway", "attnres_highway_gate": gate}
+    other = "token" if gate == "channel" else "channel"
+    (tmp_path / "config.json").write_text(json.dumps(saved | {"attnres_highway_gate": other}))
+    with pytest.raises(AttnResConfigError, match=f"says attnres_highway_gate='{other}', but the weights saved with"):
+        attnres.AttnResForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_highway_model_saved_before_the_gate_option_is_known_as_the_token_gate(tmp_path):
+    """Its config.json has neither the option nor the option in its saved layout: refused naming the token gate it
+    was made with, and it loads to the same logits once config.json says so."""
+    model = scratch_model("llama", "highway", attnres_highway_gate="token").eval()
+    randomize_rule_parameters(model)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["attnres_highway_gate"], config["attnres_saved_layout"]["attnres_highway_gate"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AttnResConfigError, match="says attnres_highway_gate='channel', but .* made with .*='token'"):
+        attnres.AttnResForCausalLM.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"attnres_highway_gate": "token"}))
+    ids = random_ids()
+    with torch.no_grad():
+        assert torch.equal(attnres.AttnResForCausalLM.from_pretrained(tmp_path)(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("family", ["olmo2", "olmo3", "exaone4"])
+def test_postnorm_is_refused_on_families_without_input_norms(family):
+    """Their sublayers read the stream without an input norm, the norm PostNorm normalises the stream with: it would
+    silently compute PreNorm."""
+    text_config = tiny_source_config(family, num_layers=2).to_dict()
+    with pytest.raises(AttnResConfigError, match=rf"'postnorm' .* and {family} has none .*: use another rule"):
+        attnres.AttnResConfig(text_config=text_config, attnres_mode="postnorm")
+    attnres.AttnResConfig(text_config=text_config, attnres_mode="prenorm")  # the other rules stay open
 
 
 @pytest.fixture(scope="module")
