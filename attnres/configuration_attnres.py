@@ -16,7 +16,16 @@ import transformers
 from packaging.version import Version
 
 from .families import ENCODER, FAMILIES, OLDEST_TRANSFORMERS, PARALLEL, POST_NORM, REFUSED_FAMILIES, SUPPORTED_FAMILIES
-from .rules import ATTNRES_MODES, ATTNRES_OPTIONS, DEFAULT_NUM_STREAMS, OPTION_MODES, RULE_OPTIONS, RULES
+from .rules import (
+    ATTNRES_MODES,
+    ATTNRES_OPTIONS,
+    DEFAULT_NUM_STREAMS,
+    MAX_PERMUTATION_STREAMS,
+    OPTION_MODES,
+    RULE_OPTIONS,
+    RULES,
+    stream_mix_rows,
+)
 
 # --------------------------------------------------------------------------------------------------------------------
 # Seam: transformers' private parts. This file, modeling_attnres.py and depth_mixing.py (with families.py and rules.py,
@@ -149,7 +158,9 @@ class AttnResConfig(PreTrainedConfig):
             init). `"mhc"`: manifold-constrained hyper-connections (DeepSeek,
             arXiv 2512.24880): `attnres_num_streams` residual streams, each sublayer reading a learned mix of them and
             writing its output into each with its own weight, the streams mixed by a per-token doubly stochastic
-            matrix (Sinkhorn-Knopp); it starts as the plain residual stream.
+            matrix (Sinkhorn-Knopp); it starts as the plain residual stream. `"mhc_lite"`: mHC with that matrix
+            a per-token convex combination of the m! permutation matrices (arXiv 2601.05732), doubly stochastic
+            exactly, without Sinkhorn-Knopp.
         attnres_block_size (`int`, *optional*):
             Decoder layers per block for `"block"` mode (the paper's `block_size` counts sublayers: it is twice this).
             Blocks start at the decoder layers whose 0-based index is a multiple of it. Defaults to
@@ -185,10 +196,13 @@ class AttnResConfig(PreTrainedConfig):
             (SmolLM2-135M on a CPU: a compiled step 1.29x the source's, against 1.04x inline). Compiled inference and
             eager mode are the same either way. Read at every forward, like `use_cache`.
         attnres_num_streams (`int`, defaults to 4):
-            The number m of residual streams of `"mhc"` mode (the paper's expansion rate n), at least 2. Each
-            sublayer's projection holds (m + 2) * m^2 * hidden_size parameters (96 * hidden_size at m = 4); a count
-            whose projections would outweigh the source model more than `MAX_STREAM_PARAMETERS_RATIO` times is
-            refused. An option of `"mhc"` only: another value under another rule is refused.
+            The number m of residual streams of `"mhc"` and `"mhc_lite"` modes (the paper's expansion rate n), at
+            least 2, and at most `MAX_PERMUTATION_STREAMS` (6) for `"mhc_lite"`, which learns a weight per
+            permutation matrix (m! of them). Each sublayer's projection holds (2m + m^2) * m * hidden_size parameters
+            under mHC (96 * hidden_size at m = 4), (2m + m!) * m * hidden_size under mHC-lite (128 * hidden_size at
+            m = 4); a count whose projections would outweigh the source model more than
+            `MAX_STREAM_PARAMETERS_RATIO` times is refused. An option of those two rules only: another value under
+            another rule is refused.
         attnres_highway_gate (`str`, defaults to `"channel"`):
             The gate of `"highway"` mode. `"channel"`: one gate per channel, g = sigmoid(W h/rms(h) + b) with W a
             hidden_size x hidden_size matrix (zero at init) and b a vector (-1 at init) per sublayer, as Highway
@@ -303,23 +317,37 @@ class AttnResConfig(PreTrainedConfig):
             )
 
     def _check_streams(self) -> None:
-        """mHC's stream count: an integer of at least 2, within memory, and set only under mHC."""
-        streams = self.attnres_num_streams
+        """The stream count of mHC and mHC-lite: an integer of at least 2, within memory (and for mHC-lite, within
+        `MAX_PERMUTATION_STREAMS`), and set only under those rules."""
+        streams, modes = self.attnres_num_streams, OPTION_MODES["attnres_num_streams"]
         if not _is_integer(streams) or streams < 2:
             raise AttnResConfigError(
                 f"attnres_num_streams: got {streams!r}, expected an integer number of mHC residual streams of at "
                 "least 2 (one stream is the plain residual stream: attnres_mode='prenorm')."
             )
-        if self.attnres_mode not in OPTION_MODES["attnres_num_streams"]:
+        if self.attnres_mode not in modes:
             if streams != DEFAULT_NUM_STREAMS:
+                options = " or ".join(f"attnres_mode={mode!r}" for mode in modes)
                 raise AttnResConfigError(
-                    f"attnres_num_streams: {streams} is an option of attnres_mode='mhc', not of "
-                    f"attnres_mode={self.attnres_mode!r}: drop it, or set attnres_mode='mhc'."
+                    f"attnres_num_streams: {streams} is an option of {options}, not of "
+                    f"attnres_mode={self.attnres_mode!r}: drop it, or set {options}."
                 )
             return
+        if RULES[self.attnres_mode].permutation_mix and streams > MAX_PERMUTATION_STREAMS:
+            raise AttnResConfigError(
+                f"attnres_num_streams: got {streams}, over mHC-lite's {MAX_PERMUTATION_STREAMS}: it learns a weight "
+                f"per permutation matrix, {math.factorial(streams):,} of them at {streams} streams (the paper uses "
+                "4): choose fewer streams, or attnres_mode='mhc'."
+            )
+        self._check_stream_memory(streams)
+
+    def _check_stream_memory(self, streams: int) -> None:
+        """Each connection's projection: m rows for the read, m for the write's beta and `stream_mix_rows` for A
+        (m^2 for mHC, m! for mHC-lite), each of m * hidden_size columns."""
         text = self.text_config
         hidden, layers = text.hidden_size, text.num_hidden_layers
-        added = (2 * layers + 1) * streams * (streams + 2) * streams * hidden  # each connection's projection
+        rows = 2 * streams + stream_mix_rows(self.attnres_mode, streams)
+        added = (2 * layers + 1) * rows * streams * hidden
         source = layers * 12 * hidden**2 + text.vocab_size * hidden  # about: attention, MLP, embedding
         if added > MAX_STREAM_PARAMETERS_RATIO * source:
             raise AttnResConfigError(

@@ -19,6 +19,8 @@ and the standard library.
 """
 
 import contextlib
+import functools
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -798,7 +800,7 @@ class HyperConnection(RuleModule):
     def __init__(self, hidden_size: int, num_streams: int, read_stream: int, writes: bool, eps: float):
         super().__init__()
         self.num_streams, self.read_stream, self.writes, self.eps = num_streams, read_stream, writes, eps
-        rows = num_streams * (2 + num_streams) if writes else num_streams
+        rows = 2 * num_streams + self.mix_rows(num_streams) if writes else num_streams
         self.weight = nn.Parameter(torch.zeros(rows, num_streams * hidden_size))
         self.gate = nn.Parameter(torch.full((3 if writes else 1,), self.INITIAL_GATE))
         self.bias = nn.Parameter(self.initial_bias())
@@ -816,8 +818,20 @@ class HyperConnection(RuleModule):
         read[self.read_stream] = math.log(2 / (streams - 1))  # sigmoid = 2/(m+1)
         if not self.writes:
             return read
-        residual = self.initial_mix_logit(streams) * torch.eye(streams)
-        return torch.cat([read, torch.zeros(streams), residual.flatten()])
+        return torch.cat([read, torch.zeros(streams), self.initial_mix_bias()])
+
+    @staticmethod
+    def mix_rows(streams: int) -> int:
+        """phi_res's rows: one logit per entry of A"""
+        return streams**2
+
+    def initial_mix_bias(self) -> torch.Tensor:
+        """b_res at init: c I, flattened"""
+        return self.initial_mix_logit(self.num_streams) * torch.eye(self.num_streams).flatten()
+
+    def mix(self, logits: torch.Tensor) -> torch.Tensor:
+        """A [..., m, m] from its logits [..., `mix_rows`]"""
+        return sinkhorn_mix(logits)
 
     @classmethod
     def initial_mix_logit(cls, streams: int) -> float:
@@ -846,6 +860,54 @@ def sinkhorn_knopp(logits: torch.Tensor, iterations: int) -> torch.Tensor:
     return matrix
 
 
+class PermutationConnection(HyperConnection):
+    """mHC-lite's connection (Yang and Gao, "mHC-lite: You Don't Need 20 Sinkhorn-Knopp Iterations", arXiv
+    2601.05732): mHC's, but for A, a convex combination of the m! permutation matrices P_k (Birkhoff-von Neumann),
+    doubly stochastic exactly, with no Sinkhorn-Knopp iterations:
+
+        w = softmax(g_res * (x . phi_res) + b_res)   [m!]   A = sum_k w_k P_k   [m,m]
+
+    phi_res has m! rows (in place of mHC's m^2), one per permutation, as in the authors' code (github.com/FFTYYY/
+    mhc-lite, hyper_conn/mhc_lite.py: a projection from the flattened normalised streams n*C to n!, a 0.01 scale,
+    a static bias, a softmax, then a sum over `itertools.permutations`' matrices eye[perm]). The read and beta are
+    mHC's here (`HyperConnection`), as are phi (zero at init) and the gates (0.01): the code has its own static
+    biases for them, and a gain on its RMSNorm, which mHC's form here does not have.
+
+    b_res at init: log(2 m! + 1) for the identity (permutation 0), 0 for the others, which gives A = 2/3 I + 1/(3m),
+    mHC's init here: the other m! - 1 weights 1/(3 m!) each sum to (m-1)!/(3 m!) J - 1/(3 m!) I, since every
+    entry of A is covered by (m-1)! permutations. The authors' code starts the identity at 0 and the others at -8,
+    A = 0.992 I + ... at m = 4 (the paper is silent on why): we keep mHC's 2/3 so that the two rules differ only in
+    how they build A. The code applies A transposed (H_t <- sum_s A_st H_s); the transposes of the permutation
+    matrices are the permutation matrices, so that is the same set of mixes, and at init the same A.
+    """
+
+    @staticmethod
+    def mix_rows(streams: int) -> int:
+        return math.factorial(streams)
+
+    def initial_mix_bias(self) -> torch.Tensor:
+        bias = torch.zeros(self.mix_rows(self.num_streams))
+        bias[0] = math.log(2 * self.mix_rows(self.num_streams) + 1)  # itertools lists the identity first
+        return bias
+
+    def mix(self, logits: torch.Tensor) -> torch.Tensor:
+        return permutation_mix(logits, self.num_streams)
+
+
+@functools.cache
+def permutation_matrices(streams: int) -> torch.Tensor:
+    """The m! permutation matrices P_k [m!, m*m] (P_k[i, perm_k[i]] = 1: row i of P H is stream perm_k[i]), in the
+    order of `itertools.permutations`, the identity first"""
+    permutations = torch.tensor(list(itertools.permutations(range(streams))))
+    return torch.eye(streams)[permutations].flatten(-2)
+
+
+def permutation_mix(logits: torch.Tensor, streams: int) -> torch.Tensor:
+    """mHC-lite's A: [..., m!] logits -> sum_k softmax(logits)_k P_k [..., m, m]"""
+    matrices = permutation_matrices(streams).to(logits.device, logits.dtype)
+    return (torch.softmax(logits, dim=-1) @ matrices).unflatten(-1, (streams, streams))
+
+
 def normalized_streams(streams: torch.Tensor, eps: float) -> torch.Tensor:
     """[B,T,m,d] -> the streams flattened and RMS-normalised without a gain, x [B,T,m*d] fp32 (or wider)"""
     flat = streams.flatten(-2)
@@ -864,18 +926,29 @@ def read_streams(
     return read, alpha
 
 
+def sinkhorn_mix(logits: torch.Tensor) -> torch.Tensor:
+    """mHC's A: [..., m*m] logits -> [..., m, m], doubly stochastic by Sinkhorn-Knopp"""
+    streams = math.isqrt(logits.shape[-1])
+    return sinkhorn_knopp(logits.unflatten(-1, (streams, streams)), HyperConnection.SINKHORN_ITERATIONS)
+
+
 def write_coefficients(
-    streams: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, eps: float
+    streams: torch.Tensor,
+    weight: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    mix: Callable[[torch.Tensor], torch.Tensor] = sinkhorn_mix,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """mHC's write coefficients, from the streams [B,T,m,d] the sublayer read. -> beta [B,T,m], A [B,T,m,m], fp32"""
+    """The write coefficients of mHC (or, with `mix` a `PermutationConnection`'s, mHC-lite), from the streams
+    [B,T,m,d] the sublayer read. -> beta [B,T,m], A [B,T,m,m], fp32"""
     num_streams = streams.shape[-2]
     with fp32_region(streams):
-        logits = normalized_streams(streams, eps) @ upcast(weight[num_streams:]).T  # [B,T,m + m*m]
-        post_logits, residual_logits = logits.split([num_streams, num_streams**2], dim=-1)
-        post_bias, residual_bias = upcast(bias[num_streams:]).split([num_streams, num_streams**2])
+        logits = normalized_streams(streams, eps) @ upcast(weight[num_streams:]).T  # [B,T,m + the mix's rows]
+        post_logits, residual_logits = logits[..., :num_streams], logits[..., num_streams:]
+        post_bias, residual_bias = upcast(bias[num_streams : 2 * num_streams]), upcast(bias[2 * num_streams :])
         beta = 2 * torch.sigmoid(post_logits * upcast(gate[1]) + post_bias)
-        residual_logits = (residual_logits * upcast(gate[2]) + residual_bias).unflatten(-1, (num_streams, num_streams))
-        return beta, sinkhorn_knopp(residual_logits, HyperConnection.SINKHORN_ITERATIONS)
+        return beta, mix(residual_logits * upcast(gate[2]) + residual_bias)
 
 
 def write_streams(
@@ -885,9 +958,10 @@ def write_streams(
     gate: torch.Tensor,
     bias: torch.Tensor,
     eps: float,
+    mix: Callable[[torch.Tensor], torch.Tensor] = sinkhorn_mix,
 ) -> torch.Tensor:
     """mHC's write of a sublayer's output y [B,T,d]: H_i <- sum_j A_ij H_j + beta_i y. -> [B,T,m,d]"""
-    beta, residual = write_coefficients(streams, weight, gate, bias, eps)
+    beta, residual = write_coefficients(streams, weight, gate, bias, eps, mix)
     dtype = streams.dtype
     return torch.addcmul(residual.to(dtype) @ streams, beta.to(dtype).unsqueeze(-1), output.unsqueeze(-2))
 
@@ -1120,6 +1194,7 @@ class HyperConnectionRule(DepthRule):
     """
 
     parts = ("connection",)
+    connection_class = HyperConnection
 
     @property
     def output_parts(self) -> tuple[str, ...]:
@@ -1127,7 +1202,7 @@ class HyperConnectionRule(DepthRule):
 
     def heads(self, config, sources, sublayer):
         num_streams, num_sublayers = config.attnres_num_streams, 2 * config.text_config.num_hidden_layers
-        connection = HyperConnection(
+        connection = self.connection_class(
             config.text_config.hidden_size,
             num_streams,
             sublayer % num_streams,
@@ -1150,7 +1225,8 @@ class HyperConnectionRule(DepthRule):
         (connection,) = head
         streams = depth.partial_sum
         parameters = [parameter.to(streams.device) for parameter in connection()]
-        streams = recomputed(partial(write_streams, eps=connection.eps), streams, output, *parameters)
+        write = partial(write_streams, eps=connection.eps, mix=connection.mix)
+        streams = recomputed(write, streams, output, *parameters)
         return DepthState(depth.completed_blocks, depth.completed_inv_rms, streams)
 
     def coefficients(self, stream, head):
@@ -1159,8 +1235,14 @@ class HyperConnectionRule(DepthRule):
         _, alpha = read_streams(stream, *parameters, connection.eps)
         if not connection.writes:  # the output's read
             return StreamCoefficients(alpha, None, None)
-        beta, carry = write_coefficients(stream, *parameters, connection.eps)
+        beta, carry = write_coefficients(stream, *parameters, connection.eps, connection.mix)
         return StreamCoefficients(alpha, carry, beta)
+
+
+class PermutationMixRule(HyperConnectionRule):
+    """mHC-lite: mHC with each A a convex combination of permutation matrices (`PermutationConnection`)"""
+
+    connection_class = PermutationConnection
 
 
 DEPTH_RULES = {
@@ -1173,4 +1255,5 @@ DEPTH_RULES = {
     "highway": HighwayRule(),
     "denseformer": DenseFormerRule(),
     "mhc": HyperConnectionRule(),
+    "mhc_lite": PermutationMixRule(),
 }

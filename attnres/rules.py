@@ -7,6 +7,7 @@ Standard library only: the command reads this file without loading torch, and it
 code, imported by configuration_attnres.py.
 """
 
+import math
 from dataclasses import dataclass
 
 
@@ -46,9 +47,14 @@ class RuleSpec:
     options: tuple[str, ...] = ()
     depth_attention: bool = False
     learns: bool = True
+    # Its m residual streams are mixed by a convex combination of the m! permutation matrices (mHC-lite), which
+    # caps m at `MAX_PERMUTATION_STREAMS`; else, under a stream rule, by an m x m matrix of logits (mHC)
+    permutation_mix: bool = False
 
 
 DEFAULT_NUM_STREAMS = 4
+# mHC-lite mixes its streams by a weight per permutation matrix: m! of them, 720 at 6 streams and 5040 at 7
+MAX_PERMUTATION_STREAMS = 6
 RULE_OPTIONS = {
     "attnres_query": RuleOption(
         "query",
@@ -85,7 +91,8 @@ RULE_OPTIONS = {
     ),
     "attnres_num_streams": RuleOption(
         "num_streams",
-        f"mHC: the number of residual streams, at least 2 (default: {DEFAULT_NUM_STREAMS})",
+        f"mHC and mHC-lite: the number of residual streams, at least 2 (mHC-lite: at most {MAX_PERMUTATION_STREAMS}; "
+        f"default: {DEFAULT_NUM_STREAMS})",
         DEFAULT_NUM_STREAMS,
         ablation=False,
     ),
@@ -125,6 +132,12 @@ RULES = {
     "mhc": RuleSpec(
         "mHC (m residual streams, mixed by doubly stochastic matrices)", "stream", options=("attnres_num_streams",)
     ),
+    "mhc_lite": RuleSpec(
+        "mHC-lite (m residual streams, mixed by convex combinations of permutation matrices)",
+        "stream",
+        options=("attnres_num_streams",),
+        permutation_mix=True,
+    ),
 }
 MODES = tuple(RULES)
 ATTNRES_MODES = tuple(mode for mode, rule in RULES.items() if rule.depth_attention)
@@ -132,3 +145,9 @@ ATTNRES_MODES = tuple(mode for mode, rule in RULES.items() if rule.depth_attenti
 OPTION_MODES = {name: tuple(mode for mode, rule in RULES.items() if name in rule.options) for name in RULE_OPTIONS}
 # The paper's ablations of AttnRes (Table 4), as options
 ATTNRES_OPTIONS = {name: option for name, option in RULE_OPTIONS.items() if option.ablation}
+
+
+def stream_mix_rows(mode: str, streams: int) -> int:
+    """The rows of phi_res, the projection of a stream rule's connection that gives A its logits: one per entry of A
+    (m^2) for mHC, one per permutation matrix (m!) for mHC-lite."""
+    return math.factorial(streams) if RULES[mode].permutation_mix else streams**2
