@@ -1,8 +1,9 @@
-"""The depth-mixing rules side by side (PreNorm, PostNorm, ReZero, LayerScale, Highway, DenseFormer, mHC, Block and
-Full AttnRes): each converts exactly where it can start as the source, is refused in one line where it cannot, trains
-from scratch, reloads, and generates with and without the cache, in the package and as remote code."""
+"""The depth-mixing rules side by side (PreNorm, PostNorm, ReZero, LayerScale, Highway, DenseFormer, mHC, mHC-lite,
+Block and Full AttnRes): each converts exactly where it can start as the source, is refused in one line where it
+cannot, trains from scratch, reloads, and generates with and without the cache, in the package and as remote code."""
 
 import copy
+import itertools
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from attnres.depth_mixing import (
     HighwayGate,
     HighwayRule,
     HyperConnection,
+    PermutationConnection,
     sinkhorn_knopp,
     write_coefficients,
     write_streams,
@@ -54,7 +56,7 @@ def scratch_model(family: str, rule: str, seed: int = 0, num_layers: int = 4, **
 
 def test_the_rules_the_paper_compares_are_all_offered():
     assert set(RULES) == {
-        "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer", "mhc", "block", "full"
+        "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer", "mhc", "mhc_lite", "block", "full"
     }  # fmt: skip
     assert [name for name, rule in RULES.items() if rule.converts is not None] == ["postnorm", "highway"]
 
@@ -72,7 +74,7 @@ def test_exact_rules_convert_to_what_the_source_computes(rule, family):
     # The recurrences and DenseFormer add the same tensors in the same order: bit for bit, but for the MoE family,
     # whose experts run in the order of the routing (1.2e-7 measured). mHC reads and mixes m equal copies of the stream
     # with weights that sum to 1, up to their float rounding (5.1e-7 measured)
-    tolerance = 1e-5 if rule in ("block", "full", "mhc") else 1e-6 if family == "qwen3_moe" else 0
+    tolerance = 1e-5 if rule in ("block", "full", "mhc", "mhc_lite") else 1e-6 if family == "qwen3_moe" else 0
     assert (logits - expected).abs().max().item() <= tolerance
 
 
@@ -386,6 +388,93 @@ def test_mhc_needs_two_streams_and_a_config_edited_away_from_its_streams_is_refu
     (tmp_path / "config.json").write_text(json.dumps(saved | {"attnres_num_streams": 2}))
     with pytest.raises(AttnResConfigError, match="says attnres_num_streams=2, but the weights saved with it were made"):
         attnres.AttnResForCausalLM.from_pretrained(tmp_path)
+
+
+def random_permutation_connection(num_streams: int, hidden_size: int = 8, seed: int = 0) -> PermutationConnection:
+    """mHC-lite's connection with every parameter random (its gates 1, so phi's projection counts)"""
+    connection = PermutationConnection(hidden_size, num_streams, read_stream=0, writes=True, eps=1e-6)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in connection.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    return connection
+
+
+@pytest.mark.parametrize("num_streams", [2, 3, 4, 5, 6])
+def test_mhc_lite_mixes_by_exactly_doubly_stochastic_matrices_from_random_streams_and_parameters(num_streams):
+    """A = sum_k w_k P_k has rows and columns summing to 1 within float rounding, whatever the logits (3.6e-7 at
+    worst measured over these, at 6 streams), where mHC's 20 Sinkhorn-Knopp iterations leave its columns off by up to
+    6.8e-2 on random logits (see the Sinkhorn-Knopp test above). Its weight holds 2m + m! rows of m * hidden_size
+    columns."""
+    connection = random_permutation_connection(num_streams)
+    assert connection.weight.shape == (2 * num_streams + math.factorial(num_streams), num_streams * 8)
+    streams = torch.randn(3, 7, num_streams, 8, generator=torch.Generator().manual_seed(1)) * 5
+    with torch.no_grad():
+        _, mix = write_coefficients(streams, *connection(), connection.eps, connection.mix)
+    assert mix.min() >= 0
+    ones = torch.ones(3, 7, num_streams)
+    torch.testing.assert_close(mix.sum(-1), ones, rtol=0, atol=1e-6)
+    torch.testing.assert_close(mix.sum(-2), ones, rtol=0, atol=1e-6)
+    assert not torch.allclose(mix, mix[..., :1, :1, :, :])  # per token: the random streams give different mixes
+
+
+def test_mhc_lite_computes_the_papers_equation_line_by_line():
+    """A reference from the equation, in float64: w = softmax(g_res * (x . phi_res) + b_res) over the permutations of
+    `itertools.permutations`, each P_k built entry by entry (P_k[i][perm_k[i]] = 1) and summed with its weight. The
+    rule's A equals it within 1e-6 at 4 streams (24 permutations)."""
+    connection, num_streams = random_permutation_connection(4), 4
+    streams = torch.randn(2, 3, num_streams, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, mix = write_coefficients(streams, *connection(), connection.eps, connection.mix)
+        weight, gate, bias = (parameter.double() for parameter in connection())
+    flat = streams.double().flatten(-2)
+    x = flat / flat.pow(2).mean(-1, keepdim=True).add(connection.eps).sqrt()
+    permutations = list(itertools.permutations(range(num_streams)))
+    logits = gate[2] * (x @ weight[2 * num_streams :].T) + bias[2 * num_streams :]
+    weights = torch.softmax(logits, dim=-1)
+    expected = torch.zeros(2, 3, num_streams, num_streams, dtype=torch.float64)
+    for k, permutation in enumerate(permutations):
+        matrix = torch.zeros(num_streams, num_streams, dtype=torch.float64)
+        for row, column in enumerate(permutation):
+            matrix[row, column] = 1.0
+        expected += weights[..., k, None, None] * matrix
+    assert (mix.double() - expected).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("num_streams", [2, 3, 4, 6])
+def test_mhc_lite_starts_at_mhcs_two_thirds_of_the_identity(num_streams):
+    """b_res = log(2 m! + 1) on the identity permutation and 0 on the others: weights 2/3 + 1/(3 m!) and 1/(3 m!),
+    so A = 2/3 I + 1/(3m) (0.75 and 1/12 at m = 4), mHC's init, with beta = 1: within 1e-6 up to 5 streams; at 6,
+    720 weights summed in float32 are off by 1.7e-6 (measured)."""
+    connection = PermutationConnection(hidden_size=8, num_streams=num_streams, read_stream=0, writes=True, eps=1e-6)
+    mix_bias = connection.bias[2 * num_streams :].detach()
+    assert mix_bias[0].item() == pytest.approx(math.log(2 * math.factorial(num_streams) + 1))
+    assert mix_bias[1:].eq(0).all() and mix_bias.numel() == math.factorial(num_streams)
+    streams = torch.randn(2, 5, num_streams, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        beta, mix = write_coefficients(streams, *connection(), connection.eps, connection.mix)
+    expected = 2 / 3 * torch.eye(num_streams) + 1 / (3 * num_streams)
+    torch.testing.assert_close(mix, expected.expand_as(mix), rtol=0, atol=3e-6 if num_streams == 6 else 1e-6)
+    assert beta.eq(1).all()
+    if num_streams == 4:
+        assert mix[0, 0, 0].tolist() == pytest.approx([0.75, 1 / 12, 1 / 12, 1 / 12], abs=1e-6)
+
+
+def test_mhc_lite_takes_at_most_six_streams_and_counts_its_projection_rows():
+    """720 permutations at 6 streams; 7 (5040) is refused by the config, naming the cap. The memory bound counts
+    2m + m! rows under mHC-lite, 2m + m^2 under mHC: 4 streams on a 128-wide model add 16,384 weights per
+    connection under mHC-lite, 12,288 under mHC."""
+    text_config = tiny_source_config("llama", num_layers=2).to_dict()
+    with pytest.raises(AttnResConfigError, match=r"attnres_num_streams: got 7, over mHC-lite's 6: .* 5,040 of them"):
+        attnres.AttnResConfig(text_config=text_config, attnres_mode="mhc_lite", attnres_num_streams=7)
+    attnres.AttnResConfig(text_config=text_config, attnres_mode="mhc", attnres_num_streams=7)  # mHC takes 7
+    for mode, rows in (("mhc_lite", 32), ("mhc", 24)):
+        model = scratch_model("llama", mode, num_layers=1, attnres_num_streams=4)
+        connection = model.model.layers[0].mlp_res_connection
+        assert connection.weight.shape == (rows, 4 * model.config.text_config.hidden_size)
+    wide = tiny_source_config("llama", num_layers=1).to_dict() | {"hidden_size": 128}
+    with pytest.raises(AttnResConfigError, match="6 streams add"):  # 3 connections x 732 rows x 768: 1.7M
+        attnres.AttnResConfig(text_config=wide, attnres_mode="mhc_lite", attnres_num_streams=6)
 
 
 @pytest.mark.parametrize("start", [[], ["--from-scratch"]], ids=["converted", "from-scratch"])
