@@ -19,7 +19,6 @@ and the standard library.
 """
 
 import contextlib
-import functools
 import itertools
 import math
 import re
@@ -894,10 +893,10 @@ class PermutationConnection(HyperConnection):
         return permutation_mix(logits, self.num_streams)
 
 
-@functools.cache
 def permutation_matrices(streams: int) -> torch.Tensor:
     """The m! permutation matrices P_k [m!, m*m] (P_k[i, perm_k[i]] = 1: row i of P H is stream perm_k[i]), in the
-    order of `itertools.permutations`, the identity first"""
+    order of `itertools.permutations`, the identity first. Built at each call, not cached: torch.compile folds them
+    into constants, and warns that it ignores a functools cache (at most 720 x 36 entries, m = 6)."""
     permutations = torch.tensor(list(itertools.permutations(range(streams))))
     return torch.eye(streams)[permutations].flatten(-2)
 
