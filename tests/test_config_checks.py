@@ -91,7 +91,10 @@ def test_an_implementation_set_on_a_loaded_model_is_checked_when_it_runs(saved):
 @pytest.mark.parametrize(
     "options, words",
     [
-        ({"mode": "block", "num_streams": 3}, "--num-streams is an option of --mode mhc; --mode block has none"),
+        (
+            {"mode": "block", "num_streams": 3},
+            "--num-streams is an option of --mode mhc or mhc_lite; --mode block has none",
+        ),
         ({"mode": "mhc", "query": "projected"}, "--query is an option of --mode block or full; --mode mhc"),
         ({"mode": "block", "window": 3}, "--window is an option of --mode full"),
         ({"mode": "mhc", "highway_gate": "token"}, "--highway-gate is an option of --mode highway; --mode mhc has"),
