@@ -115,6 +115,6 @@ def test_the_rules_declare_what_their_classes_do():
     assert OPTION_MODES == {
         **dict.fromkeys(("attnres_query", "attnres_score", "attnres_key_norm", "attnres_depth_heads"), ATTNRES_MODES),
         "attnres_window": ("full",),
-        "attnres_num_streams": ("mhc",),
+        "attnres_num_streams": ("mhc", "mhc_lite"),
         "attnres_highway_gate": ("highway",),
     }
