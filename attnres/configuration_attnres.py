@@ -318,7 +318,7 @@ class AttnResConfig(PreTrainedConfig):
 
     def _check_streams(self) -> None:
         """The stream count of mHC and mHC-lite: an integer of at least 2, within memory (and for mHC-lite, within
-        `MAX_PERMUTATION_STREAMS`), and set only under those rules."""
+        `MAX_PERMUTATION_STREAMS`)."""
         streams, modes = self.attnres_num_streams, OPTION_MODES["attnres_num_streams"]
         if not _is_integer(streams) or streams < 2:
             raise AttnResConfigError(
@@ -326,13 +326,7 @@ class AttnResConfig(PreTrainedConfig):
                 "least 2 (one stream is the plain residual stream: attnres_mode='prenorm')."
             )
         if self.attnres_mode not in modes:
-            if streams != DEFAULT_NUM_STREAMS:
-                options = " or ".join(f"attnres_mode={mode!r}" for mode in modes)
-                raise AttnResConfigError(
-                    f"attnres_num_streams: {streams} is an option of {options}, not of "
-                    f"attnres_mode={self.attnres_mode!r}: drop it, or set {options}."
-                )
-            return
+            return  # a count set under another rule: `_check_options` refuses it, as any rule option of another rule
         if RULES[self.attnres_mode].permutation_mix and streams > MAX_PERMUTATION_STREAMS:
             raise AttnResConfigError(
                 f"attnres_num_streams: got {streams}, over mHC-lite's {MAX_PERMUTATION_STREAMS}: it learns a weight "
