@@ -18,7 +18,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .configuration_attnres import AttnResConfig
-from .depth_mixing import DepthState, StreamCoefficients
+from .depth_mixing import DepthState
+from .depth_rules import StreamCoefficients
 from .errors import AnalysisError
 from .families import FAMILIES
 from .folders import check_output_dir, output_lock, replace_fix, written_whole

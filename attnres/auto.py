@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 # All of these are `attnres.<name>` too: attnres/__init__.py imports its `__all__` from here
 from .configuration_attnres import SUPPORTED_FAMILIES, AttnResConfig  # noqa: F401
-from .depth_mixing import DEPTH_RULES
+from .depth_rules import DEPTH_RULES
 from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel  # noqa: F401
 
 AutoConfig.register("attnres", AttnResConfig, exist_ok=True)

@@ -28,8 +28,9 @@ from .rules import (
 )
 
 # --------------------------------------------------------------------------------------------------------------------
-# Seam: transformers' private parts. This file, modeling_attnres.py and depth_mixing.py (with families.py and rules.py,
-# data) travel without the attnres package (whose seams are attnres/compat/), to whatever transformers a Hub user has;
+# Seam: transformers' private parts. This file, modeling_attnres.py and the three depth files (with families.py and
+# rules.py, data) travel without the attnres package (whose seams are attnres/compat/), to whatever transformers a Hub
+# user has;
 # what they take of transformers that transformers keeps for itself is in this block and the one at the top of
 # modeling_attnres.py, each part checked, so that a release without it stops with the version needed
 # (tests/test_seams.py holds the files to that).

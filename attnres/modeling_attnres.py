@@ -6,12 +6,13 @@ each attention and each MLP sublayer reads a softmax mixture over depth of the e
     h = sum_i softmax_i(w . RMSNorm(v_i)) * v_i        (paper Eqs. 2-4; w: a learned, input-independent pseudo-query)
 
 Block AttnRes (paper §3.2) keeps as sources the token embedding b_0, one sum per completed block b_1..b_{n-1} and the
-partial sum of the current block; Full AttnRes keeps every sublayer output. The mix itself is depth_mixing.py's; this
-file wires it into the decoder layers. Attention, MLP/MoE, norms, RoPE, masks and the KV cache are the source family's
-own modules, under the source checkpoint's parameter names, built as the family's row of `FAMILIES` says.
+partial sum of the current block; Full AttnRes keeps every sublayer output. The mix itself is depth_mixing.py's (run
+by depth_mix_backends.py, for the rules of depth_rules.py); this file wires it into the decoder layers. Attention,
+MLP/MoE, norms, RoPE, masks and the KV cache are the source family's own modules, under the source checkpoint's
+parameter names, built as the family's row of `FAMILIES` says.
 
-This file is copied next to the weights as remote code, with configuration_attnres.py, depth_mixing.py and
-families.py (and rules.py, which the configuration imports): it imports only torch, transformers and those.
+This file is copied next to the weights as remote code, with configuration_attnres.py, the three depth files
+and families.py (and rules.py, which the configuration imports): it imports only torch, transformers and those.
 """
 
 import importlib
@@ -38,14 +39,9 @@ from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_attnres import AttnResConfig, AttnResConfigError, require_transformers
-from .depth_mixing import (
-    DEPTH_MIX_BACKENDS,
-    DEPTH_RULES,
-    DepthMixPolicy,
-    DepthState,
-    RuleModule,
-    mixes_in_one_operator,
-)
+from .depth_mix_backends import DEPTH_MIX_BACKENDS, DepthMixPolicy, mixes_in_one_operator
+from .depth_mixing import DepthState
+from .depth_rules import DEPTH_RULES, RuleModule
 from .families import FAMILIES, RECURRENT_LAYER_TYPES, Family
 
 # Saved next to the weights, this file runs on every transformers from OLDEST_TRANSFORMERS on. 5.24 renamed the KV

@@ -1,6 +1,6 @@
 """The depth-mixing rules as data: one entry per rule (its label, what its sublayers read, whether it can start as the
 source computes, the options it takes) and one per option. The configuration checks a config against them, the
-`attnres` command lists them in `--help` and checks its options by them, and depth_mixing.py's rule classes, one per
+`attnres` command lists them in `--help` and checks its options by them, and depth_rules.py's rule classes, one per
 rule, compute them.
 
 Standard library only: the command reads this file without loading torch, and it travels with saved models as remote

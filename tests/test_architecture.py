@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 from tiny import FAMILY_OVERRIDES
 
 from attnres.families import SUPPORTED_FAMILIES
@@ -17,6 +18,8 @@ PACKAGES = (ROOT / "attnres", ROOT / "attnres_cli")
 REMOTE_CODE = {
     "attnres.configuration_attnres",
     "attnres.depth_mixing",
+    "attnres.depth_mix_backends",
+    "attnres.depth_rules",
     "attnres.modeling_attnres",
     "attnres.families",
     "attnres.rules",
@@ -123,9 +126,12 @@ def test_the_model_files_import_only_what_travels_with_them():
         assert not outside, (module, outside)
 
 
-def test_the_depth_mix_room_imports_only_torch():
-    """Tensor math on the depth state: no transformers, no config (its settings arrive as arguments)."""
-    outside = imported("attnres.depth_mixing") - {"torch"} - sys.stdlib_module_names
+@pytest.mark.parametrize("module", ["attnres.depth_mixing", "attnres.depth_mix_backends", "attnres.depth_rules"])
+def test_the_depth_mix_room_imports_only_torch(module):
+    """Tensor math on the depth state, its backends and the rules: no transformers, no config (its settings arrive as
+    arguments)."""
+    room = {"attnres.depth_mixing", "attnres.depth_mix_backends", "attnres.depth_rules"}
+    outside = imported(module) - {"torch"} - room - sys.stdlib_module_names
     assert not outside, outside
 
 

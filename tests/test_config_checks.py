@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.configuration_attnres import AttnResConfigError
-from attnres.depth_mixing import DEPTH_RULES, AttnResRule
+from attnres.depth_rules import DEPTH_RULES, AttnResRule
 from attnres.errors import OptionError
 from attnres.options import PARAMETERLESS_MODES, TrainingConfig
 from attnres.rules import ATTNRES_MODES, OPTION_MODES

@@ -10,8 +10,10 @@ from accelerate import dispatch_model
 from tiny import attnres_twin, random_ids, tiny_source_model
 from transformers import AutoModelForCausalLM
 
-from attnres import depth_mixing
-from attnres.depth_mixing import AttnResKeyNorm, AttnResPseudoQuery, DepthAttention, DepthState, depth_attention
+from attnres import depth_mix_backends, depth_mixing, depth_rules
+from attnres.depth_mix_backends import depth_attention
+from attnres.depth_mixing import DepthAttention, DepthState
+from attnres.depth_rules import AttnResKeyNorm, AttnResPseudoQuery
 from attnres.modeling_attnres import depth_mix_policy
 
 MODES = ["block", "full"]
@@ -194,7 +196,8 @@ def test_each_module_reads_only_its_arguments_and_parameters(
     and key norms included). A module that read another's parameter, or a tensor that reached it other than as an
     argument, fails here; so does the output mix unless it brings its pseudo-query (on disk) and key norm to the last
     layer's sources."""
-    monkeypatch.setattr(depth_mixing, "fp32_region", lambda like: contextlib.nullcontext())  # autocast: no lazy
+    for module in (depth_mixing, depth_mix_backends, depth_rules):  # autocast: no lazy
+        monkeypatch.setattr(module, "fp32_region", lambda like: contextlib.nullcontext())
     model, ids = small_model("block", num_layers=4), random_ids()
     model.config.attnres_implementation = implementation
     with torch.no_grad():
@@ -264,13 +267,15 @@ def test_the_depth_mix_operator_of_compiled_training_is_the_mix_with_autograds_g
     same mix, to float64 rounding."""
     num_blocks, partial, options = MIX_OPERATOR_CASES[case]
     inputs = mix_operator_inputs(num_blocks, partial, **options)
-    checks = torch.library.opcheck(depth_mixing.depth_mix_operator, mix_operator_inputs(num_blocks, partial, **options))
+    checks = torch.library.opcheck(
+        depth_mix_backends.depth_mix_operator, mix_operator_inputs(num_blocks, partial, **options)
+    )
     assert set(checks.values()) == {"SUCCESS"}, checks
     blocks, inv_rms, partial_sum, parameters, *settings = inputs
     leaves = [*blocks, inv_rms, *([partial_sum] if partial else []), *parameters]
     outputs = [
-        depth_mixing.depth_mix_operator(*inputs),
-        depth_mixing.mix_of_tensors(blocks, inv_rms, partial_sum, parameters, *settings),
+        depth_mix_backends.depth_mix_operator(*inputs),
+        depth_mix_backends.mix_of_tensors(blocks, inv_rms, partial_sum, parameters, *settings),
     ]
     mixed, weights = outputs[0]
     cotangents = (torch.randn_like(mixed), torch.randn_like(weights))
@@ -297,7 +302,7 @@ def test_compiled_training_graph_calls_the_operator_once_per_mix(one_thread):
     compiled(ids, labels=ids).loss.backward()
     with torch.no_grad():
         compiled(ids)
-    operator = getattr(torch.ops, depth_mixing.OPERATOR_NAMESPACE).depth_mix.default
+    operator = getattr(torch.ops, depth_mix_backends.OPERATOR_NAMESPACE).depth_mix.default
     model.config.attnres_compiled_mix = "inline"
     compiled(ids, labels=ids).loss.backward()
     training, inference, inline_training = graphs

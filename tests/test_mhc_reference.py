@@ -13,7 +13,7 @@ precision."""
 import pytest
 import torch
 
-from attnres.depth_mixing import HyperConnection, read_streams, write_streams
+from attnres.depth_rules import HyperConnection, read_streams, write_streams
 
 hyper_connections = pytest.importorskip("hyper_connections")
 

@@ -17,19 +17,9 @@ from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
 import attnres
 from attnres.configuration_attnres import IMPLEMENTATIONS
-from attnres.depth_mixing import (
-    DEPTH_MIX_BACKENDS,
-    AttnResKeyNorm,
-    AttnResPseudoQuery,
-    AttnResQueryProjection,
-    AttnResSourceLogits,
-    DepthAttention,
-    DepthMixPolicy,
-    DepthState,
-    depth_attention,
-    inverse_rms,
-    score_completed_blocks,
-)
+from attnres.depth_mix_backends import DEPTH_MIX_BACKENDS, DepthMixPolicy, depth_attention, score_completed_blocks
+from attnres.depth_mixing import DepthAttention, DepthState, inverse_rms
+from attnres.depth_rules import AttnResKeyNorm, AttnResPseudoQuery, AttnResQueryProjection, AttnResSourceLogits
 from attnres.families import FAMILIES, SUPPORTED_FAMILIES
 
 random_ids = partial(tiny_random_ids, length=24)  # this file's sequence length

@@ -29,8 +29,8 @@ from attnres.analysis import depth_weight_entropy
 from attnres.cards import describe_layout
 from attnres.configuration_attnres import AttnResConfigError
 from attnres.conversion import ConversionError, convert_to_attnres
-from attnres.depth_mixing import (
-    DepthState,
+from attnres.depth_mixing import DepthState
+from attnres.depth_rules import (
     HighwayGate,
     HighwayRule,
     HyperConnection,

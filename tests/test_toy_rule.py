@@ -1,4 +1,4 @@
-"""A new depth-mixing rule is one class (depth_mixing.py) and one entry (rules.py): "half", a toy (h <- h + f/2),
+"""A new depth-mixing rule is one class (depth_rules.py) and one entry (rules.py): "half", a toy (h <- h + f/2),
 registered here and nowhere else, is checked by the config, built, trained, saved and reloaded, refused for conversion
 with its own reason, and analysed (its depth-mixing matrix rebuilds what each sublayer reads)."""
 
@@ -13,7 +13,7 @@ from attnres import rules
 from attnres.analysis import mixing_matrix, token_mixing_matrices
 from attnres.configuration_attnres import AttnResConfigError
 from attnres.conversion import ConversionError, convert_to_attnres
-from attnres.depth_mixing import DEPTH_RULES, DepthRule, plain_coefficients
+from attnres.depth_rules import DEPTH_RULES, DepthRule, plain_coefficients
 
 
 class HalfRule(DepthRule):

@@ -187,7 +187,15 @@ TINY_RUN = dict(
 )
 
 # The model's code, which save_pretrained copies beside the weights (remote code)
-MODEL_CODE = ("configuration_attnres.py", "modeling_attnres.py", "depth_mixing.py", "families.py", "rules.py")
+MODEL_CODE = (
+    "configuration_attnres.py",
+    "modeling_attnres.py",
+    "depth_mixing.py",
+    "depth_mix_backends.py",
+    "depth_rules.py",
+    "families.py",
+    "rules.py",
+)
 
 
 def hybrid_families() -> list[str]:
