@@ -64,7 +64,14 @@ SubConfigSpec = configuration_utils.SubConfigSpec
 # The settings: their bounds, and the checks of a config (the families and the rules are families.py's and rules.py's)
 # --------------------------------------------------------------------------------------------------------------------
 
-IMPLEMENTATIONS = ("two_phase", "naive")
+IMPLEMENTATIONS = ("two_phase", "naive", "fla")
+# What flash-linear-attention's kernel computes: the paper's AttnRes, none of its ablations
+FLA_SETTINGS = {
+    "attnres_query": "pseudo",
+    "attnres_score": "softmax",
+    "attnres_key_norm": True,
+    "attnres_depth_heads": 1,
+}
 # mHC's projections may outweigh the source this many times at most: beyond, the stream count is a typo or out of
 # memory (1000 streams on SmolLM2-135M would need 4e12 parameters)
 MAX_STREAM_PARAMETERS_RATIO = 4
@@ -172,7 +179,10 @@ class AttnResConfig(PreTrainedConfig):
             `"two_phase"`: the completed blocks are scored once per decoder layer for both of its pseudo-queries, with
             each block's RMS computed once, and the partial sum joins the softmax afterwards (paper Algorithm 1).
             `"naive"`: the direct computation (stack, normalise, score, softmax, weighted sum) per sublayer, kept as
-            the reference the fast path is tested against.
+            the reference the fast path is tested against. `"fla"`: flash-linear-attention's fused Triton kernel
+            (`fla.ops.attnres.fused_attnres`; a GPU and `pip install flash-linear-attention`), for the paper's AttnRes
+            without ablations; its depth weights carry no gradient. A one-token decoding step mixes directly whatever
+            this says.
         attnres_scale_by_num_sources (`bool`, defaults to `False`):
             Multiply each mixed sublayer input by its number of sources. With zero pseudo-queries the mixture is the
             mean of the sources, i.e. the standard residual stream divided by their number; the sublayers' RMSNorm
@@ -288,14 +298,7 @@ class AttnResConfig(PreTrainedConfig):
                 f"attnres_recompute: True recomputes AttnRes's depth mix, which attnres_mode={self.attnres_mode!r} "
                 "has none of: drop it (mHC recomputes its stream reads and writes always)."
             )
-        if self.attnres_implementation not in IMPLEMENTATIONS:
-            raise AttnResConfigError(
-                f"attnres_implementation: got {self.attnres_implementation!r}, expected one of {IMPLEMENTATIONS}."
-            )
-        if self.attnres_compiled_mix not in COMPILED_MIXES:
-            raise AttnResConfigError(
-                f"attnres_compiled_mix: got {self.attnres_compiled_mix!r}, expected one of {COMPILED_MIXES}."
-            )
+        self.check_implementation()
         if self.attnres_block_size is None:
             self.attnres_block_size = math.ceil(num_layers / DEFAULT_NUM_BLOCKS)
         if not _is_integer(self.attnres_block_size) or not 1 <= self.attnres_block_size <= num_layers:
@@ -315,6 +318,33 @@ class AttnResConfig(PreTrainedConfig):
             raise AttnResConfigError(
                 f"attnres_saved_layout: got {layout!r}, expected the dict of {', '.join(LAYOUT_KEYS)} that AttnRes "
                 "writes when it saves: put back the one the folder was saved with, or remove the key."
+            )
+
+    def check_implementation(self) -> None:
+        """The depth mix's backend and how compiled training runs it: checked with the config, and at every forward,
+        where a loaded model's config may have been set since (see `depth_mix_policy`)."""
+        if self.attnres_implementation not in IMPLEMENTATIONS:
+            raise AttnResConfigError(
+                f"attnres_implementation: got {self.attnres_implementation!r}, expected one of {IMPLEMENTATIONS}."
+            )
+        if self.attnres_compiled_mix not in COMPILED_MIXES:
+            raise AttnResConfigError(
+                f"attnres_compiled_mix: got {self.attnres_compiled_mix!r}, expected one of {COMPILED_MIXES}."
+            )
+        if self.attnres_implementation != "fla":
+            return
+        ablated = {name: getattr(self, name) for name, value in FLA_SETTINGS.items() if getattr(self, name) != value}
+        if ablated:
+            raise AttnResConfigError(
+                f"attnres_implementation='fla': flash-linear-attention's kernel computes the paper's AttnRes only "
+                f"({FLA_SETTINGS}), and this config sets {ablated}. Use attnres_implementation='two_phase'."
+            )
+        if self.attnres_compiled_mix == "operator":
+            raise AttnResConfigError(
+                "attnres_compiled_mix='operator' wraps the mix in an operator whose backward is torch.func's, which "
+                "flash-linear-attention's kernel (an autograd.Function with its own backward) cannot run under. Use "
+                "attnres_compiled_mix='inline' with attnres_implementation='fla' (compiled, fla's kernel runs between "
+                "graphs), or attnres_implementation='two_phase'."
             )
 
     def _check_streams(self) -> None:

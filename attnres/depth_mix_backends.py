@@ -24,15 +24,61 @@ from .depth_mixing import (
     DepthAttention,
     DepthParameters,
     DepthState,
+    cast,
     completed_logits,
     depth_mix_reference,
     depth_mix_two_phase,
     folded_queries,
+    fp32_or_wider,
     fp32_region,
     reads_copies,
     stacked_if_small,
     sublayer_query,
 )
+
+
+def fused_attnres_for(device: torch.device) -> Callable:
+    """flash-linear-attention's fused AttnRes kernel, `fla.ops.attnres.fused_attnres`, for tensors on `device`, or an
+    error that says what is missing. Imported here, when the `fla` backend runs: fla is optional, and its kernels are
+    Triton's, which run on a GPU only."""
+    if device.type == "cpu":
+        raise RuntimeError(
+            "attnres_implementation='fla' runs flash-linear-attention's Triton kernel, which needs the model on a GPU; "
+            "this depth state is on the CPU. Set model.config.attnres_implementation = 'two_phase' there."
+        )
+    try:
+        from fla.ops.attnres import fused_attnres
+    except ImportError as missing:
+        raise ImportError(
+            f"attnres_implementation='fla' needs flash-linear-attention with Triton ({missing}): "
+            "`pip install flash-linear-attention`, or set model.config.attnres_implementation = 'two_phase'."
+        ) from missing
+    return fused_attnres
+
+
+def depth_mix_fla(
+    depth: DepthState,
+    learned: DepthParameters,
+    options: DepthAttention,
+    scale_by_num_sources: bool,
+    block_logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paper's mix by flash-linear-attention's fused kernel: key norm, scores, softmax and weighted sum in one pass
+    over the sources, with a backward of its own that keeps per token only scalars and recomputes the rest. It runs the
+    paper's AttnRes only (a pseudo-query, softmax, normalised keys, one depth head: the configuration refuses the other
+    ablations with it), scores every source itself (`block_logits` is not read), and its depth weights carry no
+    gradient (fla marks them so): a loss on them needs another backend. -> mixed input [B,T,d] in the sources' dtype,
+    depth weights [B,T,S] fp32"""
+    sources = depth.sources()
+    fused_attnres = fused_attnres_for(sources[0].device)
+    with fp32_region(sources[0]):
+        mixed, weights = fused_attnres(
+            learned.pseudo_query.flatten(), sources, learned.key_gain, rms_eps=options.eps, return_weights=True
+        )  # [B,T,d], [S,B,T]
+    # fla reads the mean where the queries are zero; the exact start reads the plain sum (as `SCORES` scales)
+    mixed = mixed * len(sources) if scale_by_num_sources else mixed
+    return mixed, cast(weights.movedim(0, -1), fp32_or_wider(sources[0].dtype))
+
 
 # The depth-mix backends by name, as transformers' ALL_ATTENTION_FUNCTIONS holds attention functions. One signature:
 #     backend(depth, learned, options, scale_by_num_sources, block_logits) -> mixed input [B,T,d], weights [B,T,S]
@@ -42,6 +88,7 @@ from .depth_mixing import (
 DEPTH_MIX_BACKENDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "naive": depth_mix_reference,
     "two_phase": depth_mix_two_phase,
+    "fla": depth_mix_fla,
 }
 
 
@@ -278,9 +325,11 @@ def depth_attention(
         return (input_norm(mixed) if policy.recompute else mixed), weights
 
     depth_inputs = (depth.partial_sum, depth.completed_inv_rms, *depth.completed_blocks)
-    # Only the two-phase mix reads its sources in place: the reference stacks them, the projected query normalises the
-    # latest one, and both make copies
-    in_place = policy.backend == "two_phase" and options.query != "projected" and not reads_copies(depth.sources())
+    # The reference stacks the sources and the projected query normalises the latest one, both making copies; the two
+    # phases make them where `reads_copies` says; fla's kernel reads the sources where they lie
+    in_place = policy.backend == "fla" or (
+        policy.backend == "two_phase" and options.query != "projected" and not reads_copies(depth.sources())
+    )
     keeps_copies = policy.recompute or not in_place
     sublayer_input, weights = recomputed(mix, learned, block_logits, *depth_inputs, keeps_copies=keeps_copies)
     return (sublayer_input if policy.recompute else input_norm(sublayer_input)), weights

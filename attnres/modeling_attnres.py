@@ -38,8 +38,8 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .configuration_attnres import AttnResConfig, AttnResConfigError, require_transformers
-from .depth_mix_backends import DEPTH_MIX_BACKENDS, DepthMixPolicy, mixes_in_one_operator
+from .configuration_attnres import AttnResConfig, require_transformers
+from .depth_mix_backends import DepthMixPolicy, mixes_in_one_operator
 from .depth_mixing import DepthState
 from .depth_rules import DEPTH_RULES, RuleModule
 from .families import FAMILIES, RECURRENT_LAYER_TYPES, Family
@@ -179,11 +179,7 @@ def depth_mix_policy(config: AttnResConfig, num_tokens: int = 2) -> DepthMixPoli
     (SmolLM2-135M, 5 December 2026: 2183 aten operations per token for the source, 3951 in two phases, 3452 directly).
 
     `one_operator`: each mix is one opaque operator, where the config asks for it and a training step is compiling."""
-    if config.attnres_implementation not in DEPTH_MIX_BACKENDS:  # set on a loaded model's config
-        raise AttnResConfigError(
-            f"attnres_implementation: got {config.attnres_implementation!r}, expected one of "
-            f"{tuple(DEPTH_MIX_BACKENDS)}."
-        )
+    config.check_implementation()  # set on a loaded model's config since it was checked
     return DepthMixPolicy(
         backend=config.attnres_implementation if num_tokens > 1 else "naive",
         scale_by_num_sources=config.attnres_scale_by_num_sources,

@@ -12,6 +12,9 @@ still run, and the exit status is non-zero):
 - `overhead`: SmolLM2-135M Block and Full against the source in bf16, eager and compiled: prefill, training step,
   decode per token, training peak memory, and the compile times (`benchmarks/overhead.py`).
 - `conversion`: `attnres convert` of SmolLM2-135M verified on the GPU in bfloat16 and float32.
+- `fla`: when flash-linear-attention imports, the `fla` depth-mix backend (its fused Triton kernel) against
+  `two_phase` on the conversions with random pseudo-queries (Block, 4 x 512 tokens): logits, gradients, and the time
+  of a training step, as interleaved pairs. The dry run puts fla's reference op in place of the kernel.
 - `device_map`: the float32 conversion loaded with `device_map="auto"` over two GPUs (when there are two; on one GPU
   over the GPU and the CPU), logits against one device.
 - `fsdp2`, `zero3`: a few training steps of the float32 conversion with the shipped Accelerate configs (bf16), on 2
@@ -25,6 +28,7 @@ code paths are the real ones. The test suite runs it.
 """
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -32,10 +36,11 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-STAGES = ("memory", "overhead", "conversion", "device_map", "fsdp2", "zero3", "vllm")
+STAGES = ("memory", "overhead", "conversion", "fla", "device_map", "fsdp2", "zero3", "vllm")
 STAGE_TIMEOUT_S = {"memory": 120, "overhead": 300, "conversion": 120, "device_map": 60, "fsdp2": 120, "zero3": 120}
 DEFAULT_STAGE_TIMEOUT_S = 120
 MODES = ("block", "full")
@@ -144,6 +149,66 @@ def stage_conversion(work: Path, dry_run: bool) -> list[tuple]:
             f"{verification['greedy_tokens_agreeing']}/{verification['greedy_tokens']}"
         )
         rows.append(("conversion verified", f"{dtype} on {device_of(dry_run)}", figures, "passed"))
+    return rows
+
+
+def fla_op_in_place_of_the_kernel() -> None:
+    """The dry run's `fla` backend: flash-linear-attention's reference op (loaded from its file: importing `fla.ops`
+    loads Triton) where the kernel would run, so that the stage's code runs on a CPU."""
+    import importlib.util
+
+    from attnres import depth_mix_backends
+
+    path = Path(importlib.util.find_spec("fla").submodule_search_locations[0]) / "ops" / "attnres" / "naive.py"
+    spec = importlib.util.spec_from_file_location("fla_attnres_naive", path)
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    depth_mix_backends.fused_attnres_for = lambda device: reference.naive_attnres
+
+
+def fla_step(model, ids, implementation: str) -> tuple:
+    """A forward and backward of `model` through the `implementation` backend -> fp32 logits, each parameter's grad"""
+    model.config.attnres_implementation = implementation
+    model.zero_grad()
+    logits = model(ids.to(model.device)).logits
+    logits.float().logsumexp(-1).mean().backward()
+    grads = {name: parameter.grad.float() for name, parameter in model.named_parameters() if parameter.grad is not None}
+    return logits.detach().float(), grads
+
+
+def stage_fla(work: Path, dry_run: bool) -> list[tuple]:
+    import torch
+    from overhead import interleaved_ratio
+
+    from attnres import AttnResForCausalLM
+
+    if dry_run:
+        fla_op_in_place_of_the_kernel()
+    elif importlib.util.find_spec("fla") is None:
+        return [("fla backend", "flash-linear-attention not installed", "not run", "pip install it to check")]
+    device, rows = device_of(dry_run), []
+    ids = torch.randint(0, 1000, (2, 32) if dry_run else (4, 512), generator=torch.Generator().manual_seed(0))
+    for dtype in ("float32",) if dry_run else ("float32", "bfloat16"):
+        model = AttnResForCausalLM.from_pretrained(converted_folder(work, dtype, dry_run)).to(device)
+        with torch.no_grad():  # queries away from zero, so that the depth weights differ from source to source
+            generator = torch.Generator().manual_seed(0)
+            for name, parameter in model.named_parameters():
+                if "_res_proj" in name:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+
+        (expected, expected_grads), (logits, grads) = (fla_step(model, ids, name) for name in ("two_phase", "fla"))
+        logit_diff = (logits - expected).abs().max().item()
+        grad_diff = max(((grads[n] - g).norm() / g.norm().clamp_min(1e-30)).item() for n, g in expected_grads.items())
+        reps, warmup = (2, 1) if dry_run else (10, 2)
+        timing = interleaved_ratio(
+            partial(fla_step, model, ids, "two_phase"), partial(fla_step, model, ids, "fla"), reps, warmup, device
+        )
+        rows.append((
+            "fla backend vs two_phase", f"{dtype}, Block, {tuple(ids.shape)}",
+            f"max abs logit diff {logit_diff:.2e}, largest relative grad diff {grad_diff:.2e}; "
+            f"train step {timing['ratio']:.3f}x two_phase",
+            "logits within the conversion's own noise; step < 1x",
+        ))  # fmt: skip
     return rows
 
 

@@ -71,3 +71,23 @@ def lock_held_elsewhere() -> Callable[[Path], AbstractContextManager[int]]:
             process.wait(timeout=60)
 
     return held
+
+
+@pytest.fixture
+def fla_reference(monkeypatch) -> Callable:
+    """The `fla` backend with flash-linear-attention's own reference op, `fla.ops.attnres.naive.naive_attnres`, in
+    place of its Triton kernel (which needs a GPU), on whatever device: what the backend hands fla and reads back is
+    checked against an implementation the project did not write. Loaded from its file, as importing `fla.ops` loads
+    Triton. -> the reference op"""
+    import importlib.util
+
+    from attnres import depth_mix_backends
+
+    package = importlib.util.find_spec("fla")
+    assert package is not None, "the test extras install fla-core, whose reference op this fixture loads"
+    path = Path(package.submodule_search_locations[0]) / "ops" / "attnres" / "naive.py"
+    spec = importlib.util.spec_from_file_location("fla_attnres_naive", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(depth_mix_backends, "fused_attnres_for", lambda device: module.naive_attnres)
+    return module.naive_attnres

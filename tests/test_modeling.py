@@ -16,7 +16,7 @@ from tiny import random_ids as tiny_random_ids
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
 import attnres
-from attnres.configuration_attnres import IMPLEMENTATIONS
+from attnres.configuration_attnres import IMPLEMENTATIONS, AttnResConfigError
 from attnres.depth_mix_backends import DEPTH_MIX_BACKENDS, DepthMixPolicy, depth_attention, score_completed_blocks
 from attnres.depth_mixing import DepthAttention, DepthState, inverse_rms
 from attnres.depth_rules import AttnResKeyNorm, AttnResPseudoQuery, AttnResQueryProjection, AttnResSourceLogits
@@ -113,14 +113,27 @@ def random_head(options: DepthAttention, num_sources: int, generator: torch.Gene
     return head
 
 
+# fla's kernel computes the paper's AttnRes only: the configuration refuses it with the other ablations
+BACKENDS_AND_CASES = [
+    (backend, case)
+    for backend in sorted(set(DEPTH_MIX_BACKENDS) - {"naive"}) + ["operator"]
+    for case in BACKEND_CASES
+    if backend != "fla" or BACKEND_CASES[case].keys() <= {"window"}
+]
+
+
 @pytest.mark.parametrize("scale_by_num_sources", [False, True])
 @pytest.mark.parametrize("with_partial_sum", [True, False], ids=["partial-sum", "block-just-closed"])
-@pytest.mark.parametrize("case", BACKEND_CASES)
-@pytest.mark.parametrize("backend", sorted(set(DEPTH_MIX_BACKENDS) - {"naive"}) + ["operator"])
-def test_every_depth_mix_backend_equals_naive(backend, case, with_partial_sum, scale_by_num_sources):
+@pytest.mark.parametrize(("backend", "case"), BACKENDS_AND_CASES)
+def test_every_depth_mix_backend_equals_naive(backend, case, with_partial_sum, scale_by_num_sources, request):
     """Each backend of the registry, run by `depth_attention` as a layer runs it (phase 1 shared by two sublayers where
     the policy shares it; "operator": the one operator of compiled training around the two-phase backend), gives the
-    naive reference's sublayer input and depth weights, in float64 to rounding."""
+    naive reference's sublayer input and depth weights, in float64 to rounding. `fla` runs fla's own reference op in
+    place of its GPU kernel (the `fla_reference` fixture), which computes in fp32, and only the paper's AttnRes."""
+    tolerance = 1e-12
+    if backend == "fla":
+        request.getfixturevalue("fla_reference")
+        tolerance = 1e-4  # fp32 rounding: sources of RMS 3, times 5 where scaled by their number
     generator = torch.Generator().manual_seed(0)
     blocks = tuple(torch.randn(2, 5, 64, generator=generator, dtype=torch.float64) * 3 for _ in range(4))
     inv_rms = torch.stack([inverse_rms(block, 1e-6) for block in blocks], dim=-1)
@@ -139,12 +152,60 @@ def test_every_depth_mix_backend_equals_naive(backend, case, with_partial_sum, s
         for head, block_logits in zip(heads, shared, strict=True):
             mixed, weights = depth_attention(depth, head, options, lambda x: x, block_logits, policy)
             expected_input, expected_weights = depth_attention(depth, head, options, lambda x: x, None, naive)
-            torch.testing.assert_close(mixed, expected_input, rtol=0, atol=1e-12)
-            torch.testing.assert_close(weights, expected_weights, rtol=0, atol=1e-12)
+            torch.testing.assert_close(mixed, expected_input, rtol=0, atol=tolerance)
+            torch.testing.assert_close(weights, expected_weights, rtol=0, atol=tolerance)
 
 
 def test_the_configuration_offers_every_backend_of_the_registry():
     assert set(IMPLEMENTATIONS) == set(DEPTH_MIX_BACKENDS)
+
+
+@pytest.mark.usefixtures("fla_reference")
+def test_the_fla_backend_runs_the_model_as_two_phases_do():
+    """A converted model with random queries: through the `fla` backend (fla's reference op in place of its kernel), the
+    logits and every parameter's gradient are the two-phase backend's, to fp32 rounding; a decoding step mixes
+    directly either way, so generation is unchanged."""
+    model = attnres_twin(tiny_source_model("llama", num_layers=4), seed=2, attnres_mode="block", attnres_block_size=2)
+    ids = tiny_random_ids()
+    results = {}
+    for implementation in ("two_phase", "fla"):
+        model.config.attnres_implementation = implementation
+        model.zero_grad()
+        logits = model(ids).logits
+        logits.float().square().mean().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results[implementation] = logits.detach(), grads, model.generate(ids[:1, :4], max_new_tokens=6, do_sample=False)
+    (two_phase_logits, two_phase_grads, two_phase_tokens), (fla_logits, fla_grads, fla_tokens) = results.values()
+    torch.testing.assert_close(fla_logits, two_phase_logits, rtol=0, atol=1e-5)
+    assert fla_grads.keys() == two_phase_grads.keys()
+    for name, grad in fla_grads.items():
+        torch.testing.assert_close(grad, two_phase_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert torch.equal(fla_tokens, two_phase_tokens)
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"attnres_query": "projected"}, "attnres_query"),
+        ({"attnres_depth_heads": 2}, "attnres_depth_heads"),
+        ({"attnres_compiled_mix": "operator"}, "attnres_compiled_mix"),
+    ],
+)
+def test_the_fla_backend_refuses_what_its_kernel_does_not_compute(setting, named):
+    """In the config, and set on a loaded model's config after it was checked, at the next forward."""
+    source = tiny_source_model("llama", num_layers=2)
+    with pytest.raises(AttnResConfigError, match=f"{named}.*two_phase|two_phase.*{named}"):
+        attnres_twin(source, attnres_mode="block", attnres_implementation="fla", **setting)
+    model = attnres_twin(source, attnres_mode="block", **setting)
+    model.config.attnres_implementation = "fla"
+    with pytest.raises(AttnResConfigError, match="two_phase"):
+        model(tiny_random_ids())
+
+
+def test_the_fla_backend_on_the_cpu_says_what_to_set():
+    model = attnres_twin(tiny_source_model("llama", num_layers=2), attnres_mode="block", attnres_implementation="fla")
+    with pytest.raises(RuntimeError, match="needs the model on a GPU.*attnres_implementation = 'two_phase'"):
+        model(tiny_random_ids())
 
 
 def depth_and_logit_gradients(model, ids, implementation: str) -> dict[str, torch.Tensor]:
