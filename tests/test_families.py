@@ -13,7 +13,15 @@ import textwrap
 
 import pytest
 import torch
-from tiny import attnres_twin, family_params, random_ids, stdlib_text_ids, tiny_source_model, tiny_tokenizer
+from tiny import (
+    attnres_twin,
+    family_params,
+    random_ids,
+    stdlib_text_ids,
+    tiny_source_config,
+    tiny_source_model,
+    tiny_tokenizer,
+)
 from transformers import AutoConfig
 
 from attnres.conversion import ConversionError, attnres_config_for, convert_to_attnres, verify_conversion
@@ -139,9 +147,7 @@ def test_training_steps_lower_the_held_out_loss_as_the_source_s(family):
         ("bert", {}, "post-norm architecture"),
         ("opt", dict(do_layer_norm_before=False), "post-norm architecture"),
         ("cohere", {}, "parallel attention and MLP"),
-        ("gpt_neox", {}, "parallel attention and MLP"),
         ("falcon", {}, "parallel attention and MLP"),
-        ("phi", {}, "parallel attention and MLP"),
         ("falcon_h1", {}, "Mamba-2 and attention in parallel"),
         ("nemotron_h", {}, "each hold one sublayer"),
         ("olmo_hybrid", {}, "attention layers normalise only their outputs"),
@@ -156,6 +162,34 @@ def test_other_architectures_are_refused_by_name_with_the_reason(model_type, set
     message = str(error.value)
     assert f"'{model_type}'" in message and reason in message, message
     assert f"Supported families: {', '.join(SUPPORTED_FAMILIES)}." in message
+
+
+@pytest.mark.parametrize(
+    "family, settings, sublayers",
+    [
+        ("llama", {}, 2),
+        ("gpt_neox", dict(use_parallel_residual=True), 1),
+        ("gpt_neox", dict(use_parallel_residual=False), 2),
+        ("phi", {}, 1),
+    ],
+)
+def test_each_layer_has_the_residual_branches_of_its_source(family, settings, sublayers):
+    """One depth mix per residual branch: two where attention and MLP run one after the other, one where they run in
+    parallel on the same input; the block size counts decoder layers, so a block holds that many branches each."""
+    config = attnres_config_for(tiny_source_config(family, num_layers=4, **settings), block_size=2)
+    assert config.sublayers_per_layer() == sublayers and config.num_sublayers() == 4 * sublayers
+    starts = [index for index in range(config.num_sublayers()) if config.sublayer_starts_block(index)]
+    assert starts == [0, 2 * sublayers]
+
+
+def test_sequential_gpt_neox_converts_through_two_sublayers():
+    """GPT-NeoX with `use_parallel_residual=False` adds attention's output before its MLP reads the stream: the
+    two-sublayer layout, exact as the parallel one (test_conversion_reproduces_the_source_within_its_noise)."""
+    source = perturbed_source("gpt_neox", use_parallel_residual=False)
+    model = convert_to_attnres(copy.deepcopy(source), block_size=2)
+    assert model.config.sublayers_per_layer() == 2
+    report = verify_conversion(source, model, tiny_tokenizer(), new_tokens=24)
+    assert report.passed, report.format()
 
 
 ROUND_TRIP = """

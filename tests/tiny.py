@@ -161,6 +161,15 @@ FAMILY_OVERRIDES = {
         num_experts_per_tok=2,
         mamba_d_state=16,
     ),
+    # One-branch layers: attention and MLP in parallel, LayerNorms with biases, partial rotary
+    "gpt_neox": dict(
+        rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5), use_parallel_residual=True
+    ),
+    "phi": dict(  # Phi-2's settings: a norm shared by attention and MLP, residual dropout, a biased LM head
+        rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5), resid_pdrop=0.1
+    ),
+    # GPT-J: interleaved rotary on half the head dimension, from a table of positions as long as the sample text
+    "gptj": dict(rotary_dim=8, max_position_embeddings=1024),
 }
 ALTERNATING_LAYER_TYPES = ("gemma2", "gemma3_text", "ministral")
 # The hybrids' recurrent layer type, which alternates with full attention from layer 0 on
@@ -255,7 +264,11 @@ def attnres_twin(source, seed: int | None = None, **attnres_settings) -> attnres
     """An AttnRes model holding the source's weights; with `seed`, random non-zero queries and key gains."""
     config = attnres.AttnResConfig(text_config=source.config.to_dict(), **attnres_settings)
     model = attnres.AttnResForCausalLM(config).eval()
-    result = model.load_state_dict(source.state_dict(), strict=False)
+    # The source's text model and LM head, as conversion takes them (GPT-NeoX and GPT-J keep their layers under
+    # `gpt_neox.` and `transformer.`, where the AttnRes model keeps them under `model.`)
+    state = {f"model.{name}": tensor for name, tensor in source.get_decoder().state_dict().items()}
+    state |= {f"lm_head.{name}": tensor for name, tensor in source.get_output_embeddings().state_dict().items()}
+    result = model.load_state_dict(state, strict=False)
     assert not result.unexpected_keys, result.unexpected_keys
     assert all(is_attnres_parameter(key) for key in result.missing_keys), result.missing_keys
     if seed is not None:
