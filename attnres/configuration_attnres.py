@@ -15,7 +15,7 @@ import math
 import transformers
 from packaging.version import Version
 
-from .families import ENCODER, FAMILIES, OLDEST_TRANSFORMERS, PARALLEL, POST_NORM, REFUSED_FAMILIES, SUPPORTED_FAMILIES
+from .families import ALIBI, ENCODER, FAMILIES, OLDEST_TRANSFORMERS, POST_NORM, REFUSED_FAMILIES, SUPPORTED_FAMILIES
 from .rules import (
     ATTNRES_MODES,
     ATTNRES_OPTIONS,
@@ -101,10 +101,8 @@ def _refusal(text_config: PreTrainedConfig) -> str | None:
     model_type = text_config.model_type
     if model_type == "opt" and not getattr(text_config, "do_layer_norm_before", True):
         return POST_NORM
-    if model_type == "falcon" and (
-        getattr(text_config, "parallel_attn", True) or getattr(text_config, "new_decoder_architecture", False)
-    ):
-        return PARALLEL
+    if model_type == "falcon" and getattr(text_config, "alibi", False):
+        return ALIBI
     if model_type not in SUPPORTED_FAMILIES and getattr(text_config, "is_encoder_decoder", False):
         return ENCODER
     return REFUSED_FAMILIES.get(model_type)
@@ -166,7 +164,8 @@ class AttnResConfig(PreTrainedConfig):
             a per-token convex combination of the m! permutation matrices (arXiv 2601.05732), doubly stochastic
             exactly, without Sinkhorn-Knopp.
         attnres_block_size (`int`, *optional*):
-            Decoder layers per block for `"block"` mode (the paper's `block_size` counts sublayers: it is twice this).
+            Decoder layers per block for `"block"` mode (the paper's `block_size` counts sublayers: it is twice this,
+            or this where the family's layers have one residual branch, attention and MLP in parallel).
             Blocks start at the decoder layers whose 0-based index is a multiple of it. Defaults to
             `ceil(num_hidden_layers / 8)`, about 8 blocks. Ignored in `"full"` mode.
         attnres_eps (`float`, *optional*):
@@ -356,7 +355,7 @@ class AttnResConfig(PreTrainedConfig):
 
     def _check_input_norms(self) -> None:
         """PostNorm normalises the stream with each sublayer's input norm: on a family without one it would silently
-        compute PreNorm; so would a one-branch layer whose attention and MLP each have their own input norm."""
+        compute PreNorm (the model refuses it where a one-branch layer's attention and MLP have a norm each)."""
         model_type = self.text_config.model_type
         if self.attnres_mode != "postnorm":
             return
@@ -368,12 +367,6 @@ class AttnResConfig(PreTrainedConfig):
                     f"attnres_mode='postnorm' normalises the stream with each sublayer's input norm, and {model_type} "
                     f"has none (its {layer_type} layers normalise only sublayer outputs), so it would compute PreNorm: "
                     "use another rule."
-                )
-            if self.sublayers_per_layer() == 1 and norms.attention_input_norm != norms.mlp_input_norm:
-                raise AttnResConfigError(
-                    f"attnres_mode='postnorm' normalises the stream with the input norm of each residual branch, and "
-                    f"{model_type}'s one-branch layers have two ({norms.attention_input_norm} before attention, "
-                    f"{norms.mlp_input_norm} before the MLP), so no one norm would stand for them: use another rule."
                 )
 
     def _check_options(self) -> None:

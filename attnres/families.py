@@ -160,20 +160,19 @@ MAMBA_LAYOUT = dict(
     final_norm="final_layernorm",
     oldest_transformers=HYBRIDS_TRANSFORMERS,
 )
-# GPT-J's and CodeGen's names: `wte`, blocks `h` of one input norm `ln_1`, attention `attn`, a final `ln_f`
+LAYER_NORM_FINAL = dict(final_norm_class=None)  # torch's LayerNorm as the final norm (GPT-NeoX, Phi, GPT-J, Falcon)
+# GPT-J's and CodeGen's names: `wte`, blocks `h` of one input norm `ln_1`, attention `attn`, a final `ln_f`; a
+# biased LM head
 GPTJ_LAYOUT = dict(
-    embedding="wte",
-    embedding_padding_idx=False,
-    layers="h",
-    decoder_layer="Block",
-    attention="attn",
-    attention_input_norm="ln_1",
-    mlp_input_norm="ln_1",
-    embedding_dropout_key="embd_pdrop",
-    final_norm="ln_f",
-    final_norm_class=None,
-    norm_eps_key="layer_norm_epsilon",
-    lm_head_bias=True,
+    embedding="wte", embedding_padding_idx=False, layers="h", decoder_layer="Block", attention="attn",
+    attention_input_norm="ln_1", mlp_input_norm="ln_1", embedding_dropout_key="embd_pdrop", final_norm="ln_f",
+    **LAYER_NORM_FINAL, norm_eps_key="layer_norm_epsilon", lm_head_bias=True, one_branch=True,
+)  # fmt: skip
+COHERE_LAYOUT = dict(
+    mlp_input_norm="input_layernorm",
+    final_norm_class="LayerNorm",
+    norm_eps_key="layer_norm_eps",
+    logits_multiplier_key="logit_scale",
     one_branch=True,
 )
 
@@ -256,23 +255,62 @@ FAMILIES = {
         output_dropouts=("post_attention_dropout", "post_mlp_dropout"),
         embedding_dropout_key="hidden_dropout",
         final_norm="final_layer_norm",
-        final_norm_class=None,
+        **LAYER_NORM_FINAL,
         norm_eps_key="layer_norm_eps",
         one_branch="use_parallel_residual",
     ),
-    "phi": Family(  # Phi-1, Phi-1.5, Phi-2: one input norm for both
+    "phi": Family(  # Phi-1, Phi-1.5, Phi-2: one input norm for both, a biased LM head
         "phi",
         "Phi",
         mlp_input_norm="input_layernorm",
         output_dropouts=("resid_dropout", "resid_dropout"),
         embedding_dropout_key="embd_pdrop",
         final_norm="final_layernorm",
-        final_norm_class=None,
+        **LAYER_NORM_FINAL,
         norm_eps_key="layer_norm_eps",
         lm_head_bias=True,
         one_branch=True,
     ),
     "gptj": Family("gptj", "GPTJ", **GPTJ_LAYOUT),
+    "codegen": Family("codegen", "CodeGen", **GPTJ_LAYOUT),
+    # Cohere's LayerNorm without bias, one for both; the logits multiplied by logit_scale; Cohere2: sliding layers
+    "cohere": Family("cohere", "Cohere", **COHERE_LAYOUT),
+    "cohere2": Family("cohere2", "Cohere2", **COHERE_LAYOUT),
+    # Falcon: one branch where `parallel_attn` (its old decoder with one norm; its new decoder architecture with two,
+    # `ln_attn` and `ln_mlp`, or one), two sequential sublayers otherwise
+    "falcon": Family(
+        "falcon",
+        "Falcon",
+        one_branch="parallel_attn",
+        embedding="word_embeddings",
+        embedding_padding_idx=False,
+        layers="h",
+        final_norm="ln_f",
+        **LAYER_NORM_FINAL,
+        attention="self_attention",
+        attention_cache_argument="layer_past",
+        norm_eps_key="layer_norm_epsilon",
+        attention_input_norm=("ln_attn", "input_layernorm"),
+        mlp_input_norm=("ln_mlp", "post_attention_layernorm", "input_layernorm"),
+    ),  # fmt: skip
+    # One mixer per layer, by its type: Mamba-2, attention without RoPE, MLP or MoE, each on the layer's one norm
+    "nemotron_h": Family(
+        "nemotron_h",
+        "NemotronH",
+        embedding="embeddings",
+        embedding_padding_idx=False,
+        decoder_layer="Block",
+        attention="mixer",
+        token_mixers={"linear_attention": "mixer"},
+        mlp_layers={"mlp": "mixer", "moe": "mixer"},
+        attention_input_norm="norm",
+        mlp_input_norm="norm",
+        final_norm="norm_f",
+        norm_eps_key="layer_norm_epsilon",
+        rotary_embedding=False,
+        one_branch=True,
+        oldest_transformers=HYBRIDS_TRANSFORMERS,
+    ),
 }
 SUPPORTED_FAMILIES = tuple(FAMILIES)
 # Layer types (`layer_types`) whose token mixer is recurrent (linear attention, short convolution, state space): it
@@ -287,29 +325,23 @@ POST_NORM = (
     "a post-norm architecture; AttnRes needs PreNorm sublayers. It normalises after the residual add, so no sublayer "
     "reads the residual stream that a depth mixture would replace"
 )
-PARALLEL = (
-    "parallel attention and MLP, a one-branch layer that could convert as GPT-NeoX's and Phi's do, but it is not yet "
-    "built and verified, so it is refused rather than half supported"
-)
-ONE_SUBLAYER = (
-    "a hybrid decoder whose layers each hold one sublayer (Mamba-2, attention, MLP or MoE, by the layer's type); "
-    "AttnRes's depth layout pairs a token mixer with an MLP in every decoder layer"
+ALIBI = (
+    "Falcon with ALiBi (Falcon-RW): its model adds the position bias to the attention mask it builds, which AttnRes's "
+    "masks (the family's own mask functions) do not carry; RoPE Falcon (alibi=False) converts"
 )
 PARALLEL_MIXERS = (
-    "a hybrid decoder whose layers run Mamba-2 and attention in parallel on one normed input, joined in one residual "
-    "add, with muP multipliers inside the mixers; that sum is one sublayer and could convert, but it is not yet built "
-    "and verified, so it is refused rather than half supported"
+    "a hybrid decoder whose layers run Mamba-2 and attention in parallel on one normed input (muP multipliers inside "
+    "them, each with its own mask and cache), then an MLP: two sublayers that could convert, the first the sum of both "
+    "mixers, but that sum is not yet built and verified, so it is refused rather than half supported"
 )
 MIXED_NORMS = (
     "a hybrid decoder whose attention layers normalise only their outputs (as OLMo-2) while its gated-DeltaNet layers "
-    "normalise their inputs; that could convert, but it is not yet built and verified, so it is refused rather than "
-    "half supported"
+    "normalise their inputs, under one norm name meaning either by layer type; each layer type could convert, but "
+    "norms by layer type are not yet built and verified, so it is refused rather than half supported"
 )
 ENCODER = "an encoder or encoder-decoder: AttnRes wraps causal decoders (and converts their text model)"
 REFUSED_FAMILIES = {
     **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"), POST_NORM),
-    **dict.fromkeys(("cohere", "cohere2", "codegen"), PARALLEL),
-    "nemotron_h": ONE_SUBLAYER,
     "falcon_h1": PARALLEL_MIXERS,
     "olmo_hybrid": MIXED_NORMS,
     **dict.fromkeys(("mamba", "mamba2"), "a state-space model without attention sublayers"),

@@ -244,6 +244,13 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         else:
             shared = self.norms.attention_input_norm == self.norms.mlp_input_norm
             self.read_norms = (self.norms.attention_input_norm if shared else None,)
+            if config.attnres_mode == "postnorm" and not shared:
+                raise AttnResConfigError(
+                    "attnres_mode='postnorm' normalises the stream with the input norm of each residual branch, and "
+                    f"{config.text_config.model_type}'s one-branch layers have two ({self.norms.attention_input_norm} "
+                    f"before attention, {self.norms.mlp_input_norm} before the MLP), so no one norm would stand for "
+                    "them: use another rule."
+                )
 
         self.residual_multiplier = (
             None if family.residual_multiplier_key is None
@@ -507,7 +514,9 @@ class AttnResModel(AttnResPreTrainedModel):
             "sliding_attention": create_sliding_window_causal_mask,
             **dict.fromkeys(RECURRENT_LAYER_TYPES, create_recurrent_attention_mask),
         }
-        return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in set(layer_types)}
+        # Layers without a token mixer (Nemotron-H's MLP layers) take no mask
+        mixing_types = set(layer_types) - set(family_of(self.config).mlp_layers)
+        return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in mixing_types}
 
     def position_embeddings_by_type(
         self, inputs_embeds: torch.Tensor, position_ids: torch.LongTensor, layer_types: list[str]
@@ -566,7 +575,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 partial_sum,
                 completed_inv_rms,
                 *completed_blocks,
-                attention_mask=attention_masks[layer_type],
+                attention_mask=attention_masks.get(layer_type),
                 position_embeddings=position_embeddings[layer_type],
                 position_ids=position_ids,
                 **{CACHE_NAME: cache},

@@ -146,10 +146,8 @@ def test_training_steps_lower_the_held_out_loss_as_the_source_s(family):
     [
         ("bert", {}, "post-norm architecture"),
         ("opt", dict(do_layer_norm_before=False), "post-norm architecture"),
-        ("cohere", {}, "parallel attention and MLP"),
-        ("falcon", {}, "parallel attention and MLP"),
+        ("falcon", dict(alibi=True), "Falcon with ALiBi"),
         ("falcon_h1", {}, "Mamba-2 and attention in parallel"),
-        ("nemotron_h", {}, "each hold one sublayer"),
         ("olmo_hybrid", {}, "attention layers normalise only their outputs"),
         ("t5", {}, "encoder"),
         ("gpt2", {}, "unsupported family 'gpt2': no row"),
@@ -171,6 +169,9 @@ def test_other_architectures_are_refused_by_name_with_the_reason(model_type, set
         ("gpt_neox", dict(use_parallel_residual=True), 1),
         ("gpt_neox", dict(use_parallel_residual=False), 2),
         ("phi", {}, 1),
+        ("falcon", dict(new_decoder_architecture=True, parallel_attn=True), 1),
+        ("falcon", dict(new_decoder_architecture=False, parallel_attn=True), 1),
+        ("falcon", dict(new_decoder_architecture=False, parallel_attn=False), 2),
     ],
 )
 def test_each_layer_has_the_residual_branches_of_its_source(family, settings, sublayers):
@@ -182,12 +183,22 @@ def test_each_layer_has_the_residual_branches_of_its_source(family, settings, su
     assert starts == [0, 2 * sublayers]
 
 
-def test_sequential_gpt_neox_converts_through_two_sublayers():
+@pytest.mark.parametrize(
+    "family, settings, sublayers",
+    [
+        ("gpt_neox", dict(use_parallel_residual=False), 2),
+        # Falcon-7B's decoder: one norm for both, one key-value head; Falcon-RW's layout without ALiBi: sequential
+        pytest.param("falcon", dict(new_decoder_architecture=False, multi_query=True), 1, marks=pytest.mark.slow),
+        pytest.param("falcon", dict(new_decoder_architecture=False, parallel_attn=False), 2, marks=pytest.mark.slow),
+    ],
+)
+def test_the_other_layouts_of_a_family_convert_exactly(family, settings, sublayers):
     """GPT-NeoX with `use_parallel_residual=False` adds attention's output before its MLP reads the stream: the
-    two-sublayer layout, exact as the parallel one (test_conversion_reproduces_the_source_within_its_noise)."""
-    source = perturbed_source("gpt_neox", use_parallel_residual=False)
+    two-sublayer layout, exact as the parallel one (test_conversion_reproduces_the_source_within_its_noise). Falcon's
+    old decoder (its tiny model has the new one) runs its attention and MLP in parallel on one norm, or in sequence."""
+    source = perturbed_source(family, **settings)
     model = convert_to_attnres(copy.deepcopy(source), block_size=2)
-    assert model.config.sublayers_per_layer() == 2
+    assert model.config.sublayers_per_layer() == sublayers
     report = verify_conversion(source, model, tiny_tokenizer(), new_tokens=24)
     assert report.passed, report.format()
 
