@@ -24,8 +24,11 @@ from tiny import (
 )
 from transformers import AutoConfig
 
+from attnres import AttnResConfig, AttnResForCausalLM
+from attnres.configuration_attnres import AttnResConfigError
 from attnres.conversion import ConversionError, attnres_config_for, convert_to_attnres, verify_conversion
 from attnres.families import SUPPORTED_FAMILIES
+from attnres.rules import RULES
 
 SCALED_INIT = 0.1  # initializer_range: 5x the configs' 0.02, so that every sublayer moves the stream
 
@@ -235,3 +238,35 @@ def test_save_and_reload_as_remote_code(tmp_path):
     assert child.returncode == 0, child.stderr[-3000:]
     diffs = json.loads(child.stdout.strip().splitlines()[-1])
     assert diffs.keys() == folders.keys() and max(diffs.values()) == 0.0, diffs
+
+
+@pytest.mark.slow  # about 20 s a family: every rule that converts
+@pytest.mark.parametrize("family", ["gpt_neox", "phi"])  # a norm each for attention and MLP; one norm for both
+def test_every_rule_that_converts_is_exact_on_one_branch_layers_and_caches_alike(family):
+    """The residual rules run on one-branch layers as on two sublayers: each converts to what the source computes (mHC
+    up to the rounding of its equal stream weights), and with its parameters moved off their init generates the same
+    tokens with and without the cache."""
+    source, ids = tiny_source_model(family, num_layers=3), random_ids()
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = source(ids).logits
+    for rule in (name for name, spec in RULES.items() if spec.converts is None):
+        model = convert_to_attnres(source, mode=rule, block_size=1)
+        assert model.config.sublayers_per_layer() == 1
+        with torch.no_grad():
+            tolerance = 1e-6 if rule in ("mhc", "mhc_lite") else 0
+            assert (model(ids).logits - expected).abs().max().item() <= tolerance, rule
+            for name, parameter in model.named_parameters():
+                if "branch_res_" in name or "output_attn_res_" in name:
+                    parameter.add_(0.3 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(0)))
+        prompt = ids[:1, :5]
+        assert torch.equal(model.generate(prompt, **greedy), model.generate(prompt, use_cache=False, **greedy)), rule
+
+
+def test_postnorm_needs_one_input_norm_per_branch():
+    """PostNorm normalises the stream with the branch's input norm: Phi's, which attention and MLP share; GPT-NeoX's
+    branch has one each, so no one norm stands for it, and the model says so."""
+    AttnResForCausalLM(AttnResConfig(text_config=tiny_source_config("phi", num_layers=2), attnres_mode="postnorm"))
+    config = AttnResConfig(text_config=tiny_source_config("gpt_neox", num_layers=2), attnres_mode="postnorm")
+    with pytest.raises(AttnResConfigError, match="gpt_neox's one-branch layers have two .*: use another rule"):
+        AttnResForCausalLM(config)
