@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .configuration_attnres import AttnResConfig
+from .configuration_attnres import AttnResConfig, layer_types_of
 from .depth_mixing import DepthState
 from .depth_rules import StreamCoefficients
 from .errors import AnalysisError
@@ -44,16 +44,23 @@ def depth_weight_entropy(depth_weights: tuple[torch.Tensor, ...]) -> torch.Tenso
     return torch.stack([-(w * w.clamp_min(1e-30).log()).sum(-1).mean(-1) for w in depth_weights], dim=-1)
 
 
-def sublayer_names(num_layers: int) -> list[str]:
-    """A0, M0, A1, M1, ...: attention and MLP sublayers of each decoder layer, in order."""
-    return [f"{kind}{layer}" for layer in range(num_layers) for kind in ("A", "M")]
+def sublayer_names(num_layers: int, sublayers_per_layer: int = 2) -> list[str]:
+    """A0, M0, A1, M1, ...: attention and MLP sublayers of each decoder layer, in order; B0, B1, ...: the residual
+    branches of one-branch layers (attention and MLP in parallel, or one mixer), one per layer."""
+    kinds = ("A", "M") if sublayers_per_layer == 2 else ("B",)
+    return [f"{kind}{layer}" for layer in range(num_layers) for kind in kinds]
+
+
+def config_sublayer_names(config: AttnResConfig) -> list[str]:
+    """The model's sublayers (residual branches), as `sublayer_names` labels them."""
+    return sublayer_names(config.num_hidden_layers, config.sublayers_per_layer())
 
 
 def source_columns(config: AttnResConfig) -> list[str]:
     """Column labels of the depth-weight map: what a sublayer can attend to."""
     if config.attnres_mode == "full":
-        return ["embedding"] + sublayer_names(config.num_hidden_layers)
-    num_blocks = sum(config.sublayer_starts_block(s) for s in range(0, 2 * config.num_hidden_layers, 2))
+        return ["embedding"] + config_sublayer_names(config)
+    num_blocks = sum(config.sublayer_starts_block(s) for s in range(config.num_sublayers()))
     return ["embedding"] + [f"block {n}" for n in range(1, num_blocks)] + ["partial sum"]
 
 
@@ -92,39 +99,65 @@ def _rms(hidden_states: torch.Tensor) -> float:
     return float(hidden_states.detach().float().pow(2).mean(-1).sqrt().mean())
 
 
+def layer_sublayers(family, text_config, layer: nn.Module, layer_type: str) -> list[tuple]:
+    """A decoder layer's sublayers (residual branches), each as (the module that reads its input first, the modules
+    whose outputs it adds, their output norms), for an AttnRes layer or a source family's own."""
+    norms = family.norms(layer_type, lambda name: getattr(layer, name, None) is not None)
+    mlp_layer = family.mlp_layers.get(layer_type)
+    token_mixer = None if mlp_layer else family.token_mixers.get(layer_type, family.attention)
+    mlp_parts = [name for name in ((mlp_layer,) if mlp_layer else family.mlp) if getattr(layer, name, None) is not None]
+    attention = [(norms.attention_input_norm, token_mixer, norms.attention_output_norm)] if token_mixer else []
+    mlp = [(norms.mlp_input_norm, part, norms.mlp_output_norm) for part in mlp_parts]
+    branches = [attention, mlp] if not family.has_one_branch(text_config) else [attention + mlp]
+    sublayers = []
+    for parts in branches:
+        input_norm, body, _ = parts[0]
+        # What the sublayer reads first: its input norm, or the body itself in families without one (OLMo-2)
+        reader = getattr(layer, input_norm) if input_norm else getattr(layer, body)
+        bodies = [getattr(layer, name) for _, name, _ in parts]
+        writers = [
+            getattr(layer, output_norm) if output_norm else getattr(layer, name) for _, name, output_norm in parts
+        ]
+        sublayers.append((reader, bodies, writers))
+    return sublayers
+
+
 def probe_sublayers(model: PreTrainedModel) -> tuple[SublayerProbe, list]:
-    """Install the hooks on an AttnRes model or a plain model of a supported family; returns (probe, handles)."""
+    """Install the hooks on an AttnRes model or a plain model of a supported family; returns (probe, handles).
+
+    A sublayer's output is the sum of what its parts write: in a one-branch layer (attention and MLP in parallel) the
+    attention's and the MLP's outputs together."""
     text_config = model.config.text_config if isinstance(model.config, AttnResConfig) else model.config
     family = FAMILIES[text_config.model_type]
     layers = model.get_decoder().layers
-    probe = SublayerProbe(
-        input_rms=[0.0] * (2 * len(layers)), output_rms=[0.0] * (2 * len(layers)), parameter_groups=[]
-    )
+    per_layer = 1 if family.has_one_branch(text_config) else 2
+    num_sublayers = per_layer * len(layers)
+    probe = SublayerProbe(input_rms=[0.0] * num_sublayers, output_rms=[0.0] * num_sublayers, parameter_groups=[])
     handles = []
+    written: dict[int, list[torch.Tensor]] = {}
 
-    def record(values: list[float], index: int, take_input: bool):
+    def record_input(index: int):
         def hook(module, args, kwargs, output):
-            if take_input:  # attention is called with hidden_states=..., the norms and MLPs positionally
-                hidden_states = args[0] if args else kwargs["hidden_states"]
-            else:
-                hidden_states = output[0] if isinstance(output, tuple) else output
-            values[index] = _rms(hidden_states)
+            # attention is called with hidden_states=..., the norms and MLPs positionally
+            probe.input_rms[index] = _rms(args[0] if args else kwargs["hidden_states"])
 
         return hook
 
-    for layer_idx, layer in enumerate(layers):
-        sublayers = (
-            (family.attention_input_norm, layer.self_attn, family.attention_output_norm),
-            (family.mlp_input_norm, layer.mlp, family.mlp_output_norm),
-        )
-        for offset, (input_norm, body, output_norm) in enumerate(sublayers):
-            index = 2 * layer_idx + offset
-            # What the sublayer reads first: its input norm, or the body itself in families without one (OLMo-2)
-            reader = getattr(layer, input_norm) if input_norm else body
-            writer = getattr(layer, output_norm) if output_norm else body
-            handles.append(reader.register_forward_hook(record(probe.input_rms, index, True), with_kwargs=True))
-            handles.append(writer.register_forward_hook(record(probe.output_rms, index, False), with_kwargs=True))
-            modules = dict.fromkeys((reader, body, writer))  # each module once, in order
+    def record_output(index: int, parts: int):
+        def hook(module, args, kwargs, output):
+            written.setdefault(index, []).append((output[0] if isinstance(output, tuple) else output).detach().float())
+            if len(written[index]) == parts:  # all parts of the branch have written: their sum is its output
+                probe.output_rms[index] = _rms(sum(written.pop(index)))
+
+        return hook
+
+    for layer_idx, (layer, layer_type) in enumerate(zip(layers, layer_types_of(text_config), strict=True)):
+        for offset, (reader, bodies, writers) in enumerate(layer_sublayers(family, text_config, layer, layer_type)):
+            index = per_layer * layer_idx + offset
+            handles.append(reader.register_forward_hook(record_input(index), with_kwargs=True))
+            for writer in writers:
+                handles.append(writer.register_forward_hook(record_output(index, len(writers)), with_kwargs=True))
+            modules = dict.fromkeys((reader, *bodies, *writers))  # each module once, in order
             probe.parameter_groups.append([p for module in modules for p in module.parameters()])
     return probe, handles
 
@@ -169,7 +202,7 @@ def profile_model(model: PreTrainedModel, input_ids: torch.Tensor) -> dict:
 def spread_over_outputs(config: AttnResConfig, row: int, weights: torch.Tensor) -> torch.Tensor:
     """One sublayer's weights over its sources [..., n] -> its row of M [..., 1 + 2L]: the embedding, then each
     sublayer's output (a block's weight on each of its outputs; 0 where a window or causality hides it)."""
-    num_sublayers = 2 * config.num_hidden_layers
+    num_sublayers = config.num_sublayers()
     # Output j's source index: the embedding is source 0, each block start opens the next (sublayer 0 opens block 1)
     groups = [sum(config.sublayer_starts_block(s) for s in range(j + 1)) for j in range(row)]
     dropped = (groups[-1] if groups else 0) - (weights.shape[-1] - 1)  # the oldest blocks a window left out
@@ -202,14 +235,16 @@ def recurrence_coefficients(
 ) -> tuple[list[StreamCoefficients], StreamCoefficients]:
     """Each sublayer's coefficients of a recurrence (PreNorm, ReZero, LayerScale, Highway, mHC: the rule's
     `coefficients`), from the streams it read, and the output's read. The streams come from the layers' inputs; those
-    the MLP reads, from the rule's write of its attention's output (as the layer adds it) to them."""
+    the MLP reads, from the rule's write of its attention's output (as the layer adds it) to them. A one-branch layer
+    reads its input stream once."""
     decoder = model.model
     rule, layers = decoder.rule, decoder.layers
+    one_branch = model.config.sublayers_per_layer() == 1
     layer_streams, attention_outputs = [], []
     handles = [
         layer.register_forward_pre_hook(lambda m, args: layer_streams.append(args[0].detach())) for layer in layers
     ]
-    for layer in layers:
+    for layer in () if one_branch else layers:
         token_mixer = getattr(layer, layer.token_mixer)
         handles.append(
             token_mixer.register_forward_hook(
@@ -224,6 +259,11 @@ def recurrence_coefficients(
     finally:
         for handle in handles:
             handle.remove()
+    if one_branch:
+        streams = zip(layers, layer_streams[:-1], strict=True)
+        steps = [rule.coefficients(stream, layer._head("branch")) for layer, stream in streams]
+        output_head = tuple(getattr(decoder, f"output_attn_res_{part}") for part in rule.output_parts)
+        return steps, rule.coefficients(layer_streams[-1], output_head)
     steps = []
     for layer, stream, attention_output in zip(layers, layer_streams[:-1], attention_outputs, strict=True):
         attention_head, mlp_head = layer._head("self_attention"), layer._head("mlp")
@@ -236,9 +276,9 @@ def recurrence_coefficients(
 
 @torch.no_grad()
 def token_mixing_matrices(model: AttnResForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """Each token's depth-mixing matrix -> [B,T,R,S], R = 2L + 1 rows (A0, M0, ..., the output), S = 1 + 2L sources
-    (the embedding, A0, M0, ...): the depth weights for AttnRes and DenseFormer, the products of the recurrence's
-    coefficients for the others."""
+    """Each token's depth-mixing matrix -> [B,T,R,S], R = 2L + 1 rows (A0, M0, ..., the output), S = 1 + 2L
+    sources (the embedding, A0, M0, ...; in one-branch layers L + 1 of each, B0, B1, ...): the depth weights for
+    AttnRes and DenseFormer, the products of the recurrence's coefficients for the others."""
     config, rule = model.config, model.model.rule
     if rule.no_mixing_matrix is not None:
         raise AnalysisError(f"analyze: {rule.no_mixing_matrix}: it has no depth-mixing matrix")
@@ -272,7 +312,7 @@ def mixing_matrix(model: AttnResForCausalLM, input_ids: torch.Tensor) -> list[li
 
 
 def _block_starts(config: AttnResConfig) -> list[int]:
-    return [s for s in range(1, 2 * config.num_hidden_layers) if config.sublayer_starts_block(s)]
+    return [s for s in range(1, config.num_sublayers()) if config.sublayer_starts_block(s)]
 
 
 def plot_depth_weights(report: dict, config: AttnResConfig, path: Path) -> None:
@@ -286,7 +326,8 @@ def plot_depth_weights(report: dict, config: AttnResConfig, path: Path) -> None:
     image = axes.imshow(matrix.numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
     figure.colorbar(image, ax=axes, label="depth-attention weight (mean over tokens)")
     axes.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=8)
-    labels = [f"{name} (attention)" if name.startswith("A") else f"{name} (MLP)" for name in rows[:-1]]
+    kinds = {"A": "attention", "M": "MLP", "B": "branch"}
+    labels = [f"{name} ({kinds[name[0]]})" for name in rows[:-1]]
     axes.set_yticks(range(len(rows)), labels + ["output aggregation"], fontsize=7)
     if config.attnres_mode == "block":
         for start in _block_starts(config):
@@ -401,7 +442,7 @@ def analyze(
         "block_size": config.attnres_block_size if config.attnres_mode == "block" else None,
         "num_layers": config.num_hidden_layers,
         "tokens": int(input_ids.numel()),
-        "sublayers": sublayer_names(config.num_hidden_layers),
+        "sublayers": config_sublayer_names(config),
         "loss": {"attnres": profile["loss"]},
         "magnitudes": {"attnres": {"input_rms": profile["input_rms"], "output_rms": profile["output_rms"]}},
         "gradients": {"attnres": profile["gradient_norm"]},

@@ -14,20 +14,20 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 # All of these are `attnres.<name>` too: attnres/__init__.py imports its `__all__` from here
 from .configuration_attnres import SUPPORTED_FAMILIES, AttnResConfig  # noqa: F401
 from .depth_rules import DEPTH_RULES
-from .modeling_attnres import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel  # noqa: F401
+from .modeling_attnres import SUBLAYER_NAMES, AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel  # noqa: F401
 
 AutoConfig.register("attnres", AttnResConfig, exist_ok=True)
 AutoModel.register(AttnResConfig, AttnResModel, exist_ok=True)
 AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
 
 # The modules AttnRes adds to the source model, by their names in modeling_attnres.py: what each depth-mixing rule
-# learns for each sublayer and for the output aggregation (Block and Full AttnRes: a pseudo-query and a key norm, or
-# what their ablations learn instead).
+# learns for each sublayer (a one-branch layer's branch) and for the output aggregation (Block and Full AttnRes: a
+# pseudo-query and a key norm, or what their ablations learn instead).
 # PEFT's `modules_to_save` takes these names.
 ATTNRES_MODULES = sorted(
     {
         f"{sublayer}_res_{part}"
-        for sublayer in ("self_attention", "mlp", "output_attn")
+        for sublayer in (*{name for names in SUBLAYER_NAMES.values() for name in names}, "output_attn")
         for rule in DEPTH_RULES.values()
         for part in rule.all_parts
     }

@@ -139,7 +139,7 @@ def rule_layout(config: AttnResConfig) -> str:
         window = config.attnres_window
         outputs = "every sublayer output" if window is None else f"the {window} latest sublayer outputs"
         return (
-            f"Full AttnRes: each of the {2 * num_layers} sublayer outputs is a source of its own; the output "
+            f"Full AttnRes: each of the {config.num_sublayers()} sublayer outputs is a source of its own; the output "
             f"aggregation attends over {num_output_sources} sources (the embedding and {outputs})."
         )
     block_starts = [layer for layer in range(num_layers) if config.sublayer_starts_block(2 * layer)]

@@ -15,7 +15,7 @@ import math
 import transformers
 from packaging.version import Version
 
-from .families import ENCODER, FAMILIES, OLDEST_TRANSFORMERS, PARALLEL, POST_NORM, REFUSED_FAMILIES, SUPPORTED_FAMILIES
+from .families import ALIBI, ENCODER, FAMILIES, OLDEST_TRANSFORMERS, POST_NORM, REFUSED_FAMILIES, SUPPORTED_FAMILIES
 from .rules import (
     ATTNRES_MODES,
     ATTNRES_OPTIONS,
@@ -96,19 +96,21 @@ class AttnResConfigError(ValueError):
     depth layout was edited away from the layout of the weights saved beside it."""
 
 
+def layer_types_of(text_config: PreTrainedConfig) -> list[str]:
+    """Mask / RoPE type of each decoder layer, as the source family's own model chooses them."""
+    if getattr(text_config, "layer_types", None) is not None:
+        return list(text_config.layer_types)
+    kind = "sliding_attention" if getattr(text_config, "sliding_window", None) else "full_attention"
+    return [kind] * text_config.num_hidden_layers
+
+
 def _refusal(text_config: PreTrainedConfig) -> str | None:
     """Why a source architecture cannot convert exactly, from its config alone; None where nothing says so."""
     model_type = text_config.model_type
     if model_type == "opt" and not getattr(text_config, "do_layer_norm_before", True):
         return POST_NORM
-    if model_type == "gpt_neox" and getattr(text_config, "use_parallel_residual", True):
-        return PARALLEL
-    if model_type == "stablelm" and getattr(text_config, "use_parallel_residual", False):
-        return PARALLEL
-    if model_type == "falcon" and (
-        getattr(text_config, "parallel_attn", True) or getattr(text_config, "new_decoder_architecture", False)
-    ):
-        return PARALLEL
+    if model_type == "falcon" and getattr(text_config, "alibi", False):
+        return ALIBI
     if model_type not in SUPPORTED_FAMILIES and getattr(text_config, "is_encoder_decoder", False):
         return ENCODER
     return REFUSED_FAMILIES.get(model_type)
@@ -170,7 +172,8 @@ class AttnResConfig(PreTrainedConfig):
             a per-token convex combination of the m! permutation matrices (arXiv 2601.05732), doubly stochastic
             exactly, without Sinkhorn-Knopp.
         attnres_block_size (`int`, *optional*):
-            Decoder layers per block for `"block"` mode (the paper's `block_size` counts sublayers: it is twice this).
+            Decoder layers per block for `"block"` mode (the paper's `block_size` counts sublayers: it is twice this,
+            or this where the family's layers have one residual branch, attention and MLP in parallel).
             Blocks start at the decoder layers whose 0-based index is a multiple of it. Defaults to
             `ceil(num_hidden_layers / 8)`, about 8 blocks. Ignored in `"full"` mode.
         attnres_eps (`float`, *optional*):
@@ -372,7 +375,7 @@ class AttnResConfig(PreTrainedConfig):
         text = self.text_config
         hidden, layers = text.hidden_size, text.num_hidden_layers
         rows = 2 * streams + stream_mix_rows(self.attnres_mode, streams)
-        added = (2 * layers + 1) * rows * streams * hidden
+        added = (self.num_sublayers() + 1) * rows * streams * hidden
         source = layers * 12 * hidden**2 + text.vocab_size * hidden  # about: attention, MLP, embedding
         if added > MAX_STREAM_PARAMETERS_RATIO * source:
             raise AttnResConfigError(
@@ -383,14 +386,19 @@ class AttnResConfig(PreTrainedConfig):
 
     def _check_input_norms(self) -> None:
         """PostNorm normalises the stream with each sublayer's input norm: on a family without one it would silently
-        compute PreNorm."""
+        compute PreNorm (the model refuses it where a one-branch layer's attention and MLP have a norm each)."""
         model_type = self.text_config.model_type
+        if self.attnres_mode != "postnorm":
+            return
         family = FAMILIES[model_type]
-        if self.attnres_mode == "postnorm" and None in (family.attention_input_norm, family.mlp_input_norm):
-            raise AttnResConfigError(
-                f"attnres_mode='postnorm' normalises the stream with each sublayer's input norm, and {model_type} has "
-                "none (it normalises only sublayer outputs), so it would compute PreNorm: use another rule."
-            )
+        for layer_type in dict.fromkeys(layer_types_of(self.text_config)):
+            norms = family.norms(layer_type)
+            if None in (norms.attention_input_norm, norms.mlp_input_norm):
+                raise AttnResConfigError(
+                    f"attnres_mode='postnorm' normalises the stream with each sublayer's input norm, and {model_type} "
+                    f"has none (its {layer_type} layers normalise only sublayer outputs), so it would compute PreNorm: "
+                    "use another rule."
+                )
 
     def _check_options(self) -> None:
         """The rule options: each of its values, on the modes it applies to, in combinations that mean something."""
@@ -507,23 +515,36 @@ class AttnResConfig(PreTrainedConfig):
         the one hidden state the source's plan names, so AttnRes models do not split into pipeline stages."""
         return None
 
+    def sublayers_per_layer(self) -> int:
+        """How many residual branches each decoder layer has, each reading the depth mix once: 2 (attention, then MLP)
+        in the two-sublayer layout, 1 in the one-branch layout (attention and MLP in parallel, or one mixer per layer:
+        the family's `one_branch`)."""
+        return 1 if FAMILIES[self.text_config.model_type].has_one_branch(self.text_config) else 2
+
+    def num_sublayers(self) -> int:
+        """The residual branches of the whole model, in order (A0, M0, A1, ..., or B0, B1, ... in one-branch layers)."""
+        return self.sublayers_per_layer() * self.text_config.num_hidden_layers
+
     def sublayer_starts_block(self, sublayer_index: int) -> bool:
-        """Whether sublayer `sublayer_index` (0-based; attention = 2*layer, MLP = 2*layer + 1) opens a new block.
+        """Whether sublayer `sublayer_index` (0-based; attention = 2*layer, MLP = 2*layer + 1; in one-branch layers
+        the branch = layer) opens a new block.
 
         The rule of the paper's Block AttnRes pseudocode (arXiv 2603.15031), `layer_number % (block_size // 2) == 0`,
-        on the 0-based index; where every sublayer output is a source of its own, each opens one; the recurrences keep
-        one stream, which never closes.
+        on the 0-based index, its block size counting sublayers (branches): `attnres_block_size` decoder layers of
+        `sublayers_per_layer` each; where every sublayer output is a source of its own, each opens one; the
+        recurrences keep one stream, which never closes.
         """
         sources = RULES[self.attnres_mode].sources
         if sources != "blocks":
             return sources == "outputs"
-        return sublayer_index % (2 * self.attnres_block_size) == 0
+        return sublayer_index % (self.sublayers_per_layer() * self.attnres_block_size) == 0
 
     def num_sources(self) -> list[int]:
-        """How many sources each sublayer mixes, in order (A0, M0, A1, ...), then the output aggregation (1 for each
-        of the recurrences: the stream); with `attnres_window`, at most the embedding and the window."""
+        """How many sources each sublayer mixes, in order (A0, M0, A1, ..., or B0, B1, ...), then the output
+        aggregation (1 for each of the recurrences: the stream); with `attnres_window`, at most the embedding and the
+        window."""
         counts, completed, has_partial = [], 0, True  # before layer 0 the partial sum is the embedding
-        for sublayer in range(2 * self.text_config.num_hidden_layers):
+        for sublayer in range(self.num_sublayers()):
             if self.sublayer_starts_block(sublayer):
                 completed, has_partial = completed + 1, False
             counts.append(completed + has_partial)

@@ -432,7 +432,7 @@ class DepthRule:
         return self.parts if self.mixes_sources else ()
 
     def heads(self, config, sources: int, sublayer: int) -> dict[str, nn.Module]:
-        """The modules of sublayer `sublayer` (A0 = 0, M0 = 1, ..., the output aggregation 2 * num_hidden_layers),
+        """The modules of sublayer `sublayer` (A0 = 0, M0 = 1, ..., the output aggregation `config.num_sublayers()`),
         which mixes `sources` sources."""
         return {}
 
@@ -622,7 +622,7 @@ class HyperConnectionRule(DepthRule):
         return self.parts  # the output's learned read of the streams
 
     def heads(self, config, sources, sublayer):
-        num_streams, num_sublayers = config.attnres_num_streams, 2 * config.text_config.num_hidden_layers
+        num_streams, num_sublayers = config.attnres_num_streams, config.num_sublayers()
         connection = self.connection_class(
             config.text_config.hidden_size,
             num_streams,

@@ -5,7 +5,9 @@ Standard library only: the `attnres` command reads `SUPPORTED_FAMILIES` from thi
 it travels with saved models as remote code, imported by configuration_attnres.py.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # The oldest transformers the model files run on: before 5.20 it has no `SubConfigSpec`, which the config is built
 # on. From it on, saved models generate the same tokens as on the newest (tests/test_remote_code_versions.py).
@@ -14,20 +16,22 @@ OLDEST_TRANSFORMERS = "5.20.0"
 
 @dataclass(frozen=True)
 class Family:
-    """How to build one source family's modules and run the two sublayers of its decoder layer: data, which
+    """How to build one source family's modules and run the residual branches of its decoder layer: data, which
     modeling_attnres.py acts on.
 
-    Every family is PreNorm in the sense AttnRes needs: each sublayer reads the residual stream (through its input norm,
-    if it has one) and adds its output to it. Where families differ, a field below names the difference.
+    Every family is PreNorm in the sense AttnRes needs: each residual branch reads the residual stream (through its
+    input norms, if it has them) and adds its output to it once. A layer has two such sublayers, attention then MLP, or
+    in the one-branch layout (`one_branch`) one: attention and MLP in parallel on the same input, or the layer's one
+    mixer. Where families differ, a field below names the difference.
     """
 
     module_name: str  # transformers.models.<module_name>.modeling_<module_name>
     class_prefix: str  # e.g. "Qwen3Moe" for Qwen3MoeDecoderLayer, Qwen3MoeRMSNorm, ...
     # None: the sublayer reads the stream itself (OLMo-2/3, EXAONE-4 normalise only outputs); it then needs
     # `attnres_scale_by_num_sources` to read the plain sum rather than the mean at zero queries.
-    attention_input_norm: str | None = "input_layernorm"
+    attention_input_norm: str | tuple[str, ...] | None = "input_layernorm"
     attention_output_norm: str | None = None  # Gemma2/3's sandwich norms normalise the sublayer outputs too
-    mlp_input_norm: str | None = "post_attention_layernorm"
+    mlp_input_norm: str | tuple[str, ...] | None = "post_attention_layernorm"
     mlp_output_norm: str | None = None
     # Phi-3: the (attention, MLP) dropout modules applied to the sublayer outputs before the residual add
     output_dropouts: tuple[str, str] | None = None
@@ -62,6 +66,67 @@ class Family:
     # cache as `cache` from 5.24 on (before, each named it its own way)
     oldest_transformers: str = OLDEST_TRANSFORMERS
 
+    # Module names where the family's differ from Llama's: the AttnRes model builds its own embedding, layer list,
+    # final norm and LM head, under the source checkpoint's names (GPT-NeoX: embed_in, GPT-J: wte and h, ...)
+    embedding: str = "embed_tokens"
+    embedding_padding_idx: bool = True  # False: the embedding has no padding row (whose gradient it would zero)
+    layers: str = "layers"
+    decoder_layer: str = "DecoderLayer"  # the decoder layer class's suffix (GPT-NeoX: GPTNeoXLayer, GPT-J: GPTJBlock)
+    attention: str = "self_attn"  # the attention module of a layer (GPT-NeoX: attention, GPT-J: attn)
+    # The final norm's class suffix; None: torch's LayerNorm (with bias), which GPT-NeoX, Phi, GPT-J and Falcon use
+    final_norm_class: str | None = "RMSNorm"
+    lm_head_bias: bool = False  # Phi-1/2, GPT-J, CodeGen: the LM head has a bias
+    # Cohere: logit_scale, Falcon-H1: lm_head_multiplier, as config fields: the logits are multiplied by it
+    logits_multiplier_key: str | None = None
+    # The config field of the dropout on the token embedding (Phi: embd_pdrop), applied in training as the source does
+    embedding_dropout_key: str | None = None
+    # How the attention module takes the cache, where not as the installed transformers names it (GPT-NeoX, Falcon:
+    # `layer_past`)
+    attention_cache_argument: str | None = None
+
+    # The one-branch layout: each decoder layer has ONE residual branch, which reads the stream once (through its
+    # norms) and adds its output once: attention and MLP in parallel on the same input (GPT-NeoX's parallel residual,
+    # Phi-1/2, GPT-J, CodeGen, Cohere, Falcon), or one mixer per layer (Nemotron-H). The depth mix then replaces what
+    # the branch reads. True: every layer; a config field: the layers are one-branch where it is true (GPT-NeoX:
+    # `use_parallel_residual`, Falcon: `parallel_attn`), and sequential (two sublayers) otherwise.
+    one_branch: bool | str = False
+    # Nemotron-H: the layer types whose layer holds only an MLP (or MoE), by its attribute, called with the hidden
+    # states alone
+    mlp_layers: dict[str, str] = field(default_factory=dict)
+    # OLMo-Hybrid: the norms by layer type, where a type's differ from the fields above (its attention layers normalise
+    # only their outputs, its DeltaNet layers their inputs)
+    norms_by_layer_type: dict[str, dict] = field(default_factory=dict)
+
+    def has_one_branch(self, text_config) -> bool:
+        """Whether the decoder layers of `text_config` each have one residual branch (see `one_branch`)."""
+        if isinstance(self.one_branch, str):
+            return bool(getattr(text_config, self.one_branch))
+        return self.one_branch
+
+    def norms(self, layer_type: str, has: Callable[[str], bool] = lambda name: True) -> "Norms":
+        """The norms of a layer of `layer_type`, by the names the source's layer has (`has`): a field naming several
+        modules takes the first the layer has (Falcon: `ln_attn` in its decoder with two norms, else
+        `input_layernorm`)."""
+        names = {key: getattr(self, key) for key in NORM_FIELDS} | self.norms_by_layer_type.get(layer_type, {})
+
+        def present(name: str | tuple[str, ...] | None) -> str | None:
+            candidates = (name,) if isinstance(name, str) else name or ()
+            return next((candidate for candidate in candidates if has(candidate)), None)
+
+        return Norms(**{key: present(name) for key, name in names.items()})
+
+
+NORM_FIELDS = ("attention_input_norm", "attention_output_norm", "mlp_input_norm", "mlp_output_norm")
+
+
+class Norms(NamedTuple):
+    """The norms around a layer's two sublayers, by attribute name (None: none there)."""
+
+    attention_input_norm: str | None
+    attention_output_norm: str | None
+    mlp_input_norm: str | None
+    mlp_output_norm: str | None
+
 
 # Sandwich-norm layers: input and output norms around both sublayers (Gemma2, Gemma3)
 SANDWICH_NORMS = dict(
@@ -94,6 +159,21 @@ MAMBA_LAYOUT = dict(
     mlp=("feed_forward",),
     final_norm="final_layernorm",
     oldest_transformers=HYBRIDS_TRANSFORMERS,
+)
+LAYER_NORM_FINAL = dict(final_norm_class=None)  # torch's LayerNorm as the final norm (GPT-NeoX, Phi, GPT-J, Falcon)
+# GPT-J's and CodeGen's names: `wte`, blocks `h` of one input norm `ln_1`, attention `attn`, a final `ln_f`; a
+# biased LM head
+GPTJ_LAYOUT = dict(
+    embedding="wte", embedding_padding_idx=False, layers="h", decoder_layer="Block", attention="attn",
+    attention_input_norm="ln_1", mlp_input_norm="ln_1", embedding_dropout_key="embd_pdrop", final_norm="ln_f",
+    **LAYER_NORM_FINAL, norm_eps_key="layer_norm_epsilon", lm_head_bias=True, one_branch=True,
+)  # fmt: skip
+COHERE_LAYOUT = dict(
+    mlp_input_norm="input_layernorm",
+    final_norm_class="LayerNorm",
+    norm_eps_key="layer_norm_eps",
+    logits_multiplier_key="logit_scale",
+    one_branch=True,
 )
 
 # The source families whose decoder layers AttnRes rewires, by the `model_type` of their text config: the one
@@ -163,6 +243,74 @@ FAMILIES = {
         decoder_layers={"full_attention": "AttentionDecoderLayer", "linear_attention": "MambaDecoderLayer"},
         rotary_embedding=False,
     ),
+    # One-branch layers: attention and MLP in parallel on the same input, their outputs joined in one residual add
+    "gpt_neox": Family(  # Pythia; `use_parallel_residual=False` runs sequentially, as two sublayers
+        "gpt_neox",
+        "GPTNeoX",
+        embedding="embed_in",
+        embedding_padding_idx=False,
+        decoder_layer="Layer",
+        attention="attention",
+        attention_cache_argument="layer_past",
+        output_dropouts=("post_attention_dropout", "post_mlp_dropout"),
+        embedding_dropout_key="hidden_dropout",
+        final_norm="final_layer_norm",
+        **LAYER_NORM_FINAL,
+        norm_eps_key="layer_norm_eps",
+        one_branch="use_parallel_residual",
+    ),
+    "phi": Family(  # Phi-1, Phi-1.5, Phi-2: one input norm for both, a biased LM head
+        "phi",
+        "Phi",
+        mlp_input_norm="input_layernorm",
+        output_dropouts=("resid_dropout", "resid_dropout"),
+        embedding_dropout_key="embd_pdrop",
+        final_norm="final_layernorm",
+        **LAYER_NORM_FINAL,
+        norm_eps_key="layer_norm_eps",
+        lm_head_bias=True,
+        one_branch=True,
+    ),
+    "gptj": Family("gptj", "GPTJ", **GPTJ_LAYOUT),
+    "codegen": Family("codegen", "CodeGen", **GPTJ_LAYOUT),
+    # Cohere's LayerNorm without bias, one for both; the logits multiplied by logit_scale; Cohere2: sliding layers
+    "cohere": Family("cohere", "Cohere", **COHERE_LAYOUT),
+    "cohere2": Family("cohere2", "Cohere2", **COHERE_LAYOUT),
+    # Falcon: one branch where `parallel_attn` (its old decoder with one norm; its new decoder architecture with two,
+    # `ln_attn` and `ln_mlp`, or one), two sequential sublayers otherwise
+    "falcon": Family(
+        "falcon",
+        "Falcon",
+        one_branch="parallel_attn",
+        embedding="word_embeddings",
+        embedding_padding_idx=False,
+        layers="h",
+        final_norm="ln_f",
+        **LAYER_NORM_FINAL,
+        attention="self_attention",
+        attention_cache_argument="layer_past",
+        norm_eps_key="layer_norm_epsilon",
+        attention_input_norm=("ln_attn", "input_layernorm"),
+        mlp_input_norm=("ln_mlp", "post_attention_layernorm", "input_layernorm"),
+    ),  # fmt: skip
+    # One mixer per layer, by its type: Mamba-2, attention without RoPE, MLP or MoE, each on the layer's one norm
+    "nemotron_h": Family(
+        "nemotron_h",
+        "NemotronH",
+        embedding="embeddings",
+        embedding_padding_idx=False,
+        decoder_layer="Block",
+        attention="mixer",
+        token_mixers={"linear_attention": "mixer"},
+        mlp_layers={"mlp": "mixer", "moe": "mixer"},
+        attention_input_norm="norm",
+        mlp_input_norm="norm",
+        final_norm="norm_f",
+        norm_eps_key="layer_norm_epsilon",
+        rotary_embedding=False,
+        one_branch=True,
+        oldest_transformers=HYBRIDS_TRANSFORMERS,
+    ),
 }
 SUPPORTED_FAMILIES = tuple(FAMILIES)
 # Layer types (`layer_types`) whose token mixer is recurrent (linear attention, short convolution, state space): it
@@ -170,35 +318,30 @@ SUPPORTED_FAMILIES = tuple(FAMILIES)
 RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
 
 # Architectures that cannot convert exactly, refused by name (`model_type`) with what they have and why. AttnRes needs
-# two sequential sublayers per layer, each reading the residual stream (through its own input norm, or raw) and adding
-# its output to it: a depth mixture then replaces exactly what each sublayer read (paper §3).
+# PreNorm residual branches (two sequential sublayers per layer, or one branch), each reading the residual stream
+# (through its own input norms, or raw) and adding its output to it: a depth mixture then replaces exactly what each
+# branch read (paper §3).
 POST_NORM = (
     "a post-norm architecture; AttnRes needs PreNorm sublayers. It normalises after the residual add, so no sublayer "
     "reads the residual stream that a depth mixture would replace"
 )
-PARALLEL = (
-    "parallel attention and MLP: both read the same input and their outputs join one residual add, so a layer has no "
-    "second sublayer input for a depth mixture to form"
-)
-ONE_SUBLAYER = (
-    "a hybrid decoder whose layers each hold one sublayer (Mamba-2, attention, MLP or MoE, by the layer's type); "
-    "AttnRes's depth layout pairs a token mixer with an MLP in every decoder layer"
+ALIBI = (
+    "Falcon with ALiBi (Falcon-RW): its model adds the position bias to the attention mask it builds, which AttnRes's "
+    "masks (the family's own mask functions) do not carry; RoPE Falcon (alibi=False) converts"
 )
 PARALLEL_MIXERS = (
-    "a hybrid decoder whose layers run Mamba-2 and attention in parallel on one normed input, joined in one residual "
-    "add, with muP multipliers inside the mixers; that sum is one sublayer and could convert, but it is not yet built "
-    "and verified, so it is refused rather than half supported"
+    "a hybrid decoder whose layers run Mamba-2 and attention in parallel on one normed input (muP multipliers inside "
+    "them, each with its own mask and cache), then an MLP: two sublayers that could convert, the first the sum of both "
+    "mixers, but that sum is not yet built and verified, so it is refused rather than half supported"
 )
 MIXED_NORMS = (
     "a hybrid decoder whose attention layers normalise only their outputs (as OLMo-2) while its gated-DeltaNet layers "
-    "normalise their inputs; that could convert, but it is not yet built and verified, so it is refused rather than "
-    "half supported"
+    "normalise their inputs, under one norm name meaning either by layer type; each layer type could convert, but "
+    "norms by layer type are not yet built and verified, so it is refused rather than half supported"
 )
 ENCODER = "an encoder or encoder-decoder: AttnRes wraps causal decoders (and converts their text model)"
 REFUSED_FAMILIES = {
     **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"), POST_NORM),
-    **dict.fromkeys(("cohere", "cohere2", "gptj", "codegen", "phi"), PARALLEL),
-    "nemotron_h": ONE_SUBLAYER,
     "falcon_h1": PARALLEL_MIXERS,
     "olmo_hybrid": MIXED_NORMS,
     **dict.fromkeys(("mamba", "mamba2"), "a state-space model without attention sublayers"),

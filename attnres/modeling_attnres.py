@@ -38,7 +38,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .configuration_attnres import AttnResConfig, require_transformers
+from .configuration_attnres import AttnResConfig, AttnResConfigError, layer_types_of, require_transformers
 from .depth_mix_backends import DepthMixPolicy, mixes_in_one_operator
 from .depth_mixing import DepthState
 from .depth_rules import DEPTH_RULES, RuleModule
@@ -144,14 +144,6 @@ def family_class(family: Family, suffix: str) -> type:
     return getattr(family_module(family), family.class_prefix + suffix)
 
 
-def attention_layer_types(text_config) -> list[str]:
-    """Mask / RoPE type of each decoder layer, as the source family's own model chooses them."""
-    if getattr(text_config, "layer_types", None) is not None:
-        return list(text_config.layer_types)
-    kind = "sliding_attention" if getattr(text_config, "sliding_window", None) else "full_attention"
-    return [kind] * text_config.num_hidden_layers
-
-
 def uses_rope(family: Family, text_config) -> bool:
     """Whether the source's attention layers rotate their queries and keys."""
     if family.rope_switch is None:
@@ -193,8 +185,15 @@ def depth_mix_policy(config: AttnResConfig, num_tokens: int = 2) -> DepthMixPoli
 # --------------------------------------------------------------------------------------------------------------------
 
 
+# The sublayers of a decoder layer, by the name of their depth-mixing heads (`<sublayer>_res_<part>`), in each layout
+SUBLAYER_NAMES = {2: ("self_attention", "mlp"), 1: ("branch",)}
+
+
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """One decoder layer of the source family (its own attention, MLP and norms), fed by depth attention.
+
+    Two layouts, as the family's row says: two sublayers (attention, then MLP), each reading its own depth mix; or one
+    residual branch (attention and MLP in parallel on the same input, or the layer's one mixer), reading one.
 
     The depth state between layers travels as the call's positional tensors (see `DepthState`): `partial_sum` [B,T,d],
     the running sum of the current block (before layer 0: the embedding, which layer 0 closes as b_0; mHC: its m
@@ -207,28 +206,47 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.family = family_of(config)
-        self.layer_type = attention_layer_types(config.text_config)[layer_idx]
-        self.token_mixer = self.family.token_mixers.get(self.layer_type, "self_attn")
+        family = self.family = family_of(config)
+        self.layer_type = layer_types_of(config.text_config)[layer_idx]
         # Adopt the source layer's children so parameter names stay the checkpoint's (self_attn.q_proj, mlp, norms).
-        source_layer_class = family_class(self.family, self.family.decoder_layers.get(self.layer_type, "DecoderLayer"))
-        type_argument = {"layer_type": self.layer_type} if self.family.layer_type_argument else {}
+        source_layer_class = family_class(family, family.decoder_layers.get(self.layer_type, family.decoder_layer))
+        type_argument = {"layer_type": self.layer_type} if family.layer_type_argument else {}
         source_layer = source_layer_class(config.text_config, layer_idx, **type_argument)
         for name, child in source_layer.named_children():
             self.add_module(name, child)
-        self.mlp_parts = [name for name in self.family.mlp if getattr(source_layer, name, None) is not None]
-        # What the depth-mixing rule learns for each sublayer: `self_attention_res_<part>` and `mlp_res_<part>`
+        self.norms = family.norms(self.layer_type, lambda name: getattr(source_layer, name, None) is not None)
+        # The token mixer (None in a layer that holds only an MLP: Nemotron-H's) and the MLP parts the layer has
+        mlp_layer = family.mlp_layers.get(self.layer_type)
+        self.token_mixer = None if mlp_layer else family.token_mixers.get(self.layer_type, family.attention)
+        candidates = (mlp_layer,) if mlp_layer else family.mlp
+        self.mlp_parts = [name for name in candidates if getattr(source_layer, name, None) is not None]
+        # What the depth-mixing rule learns for each sublayer: `<sublayer>_res_<part>` (self_attention, mlp; branch)
         self.rule = DEPTH_RULES[config.attnres_mode].configured(config)
-        sources = config.num_sources()
-        for sublayer, index in (("self_attention", 2 * layer_idx), ("mlp", 2 * layer_idx + 1)):
-            for part, module in self.rule.heads(config, sources[index], index).items():
+        self.sublayers = SUBLAYER_NAMES[config.sublayers_per_layer()]
+        sources, first = config.num_sources(), len(self.sublayers) * layer_idx
+        for offset, sublayer in enumerate(self.sublayers):
+            for part, module in self.rule.heads(config, sources[first + offset], first + offset).items():
                 self.add_module(f"{sublayer}_res_{part}", module)
-        self.attention_starts_block = config.sublayer_starts_block(2 * layer_idx)
-        self.mlp_starts_block = config.sublayer_starts_block(2 * layer_idx + 1)
+        self.starts_block = [config.sublayer_starts_block(first + offset) for offset in range(len(self.sublayers))]
+        # The norm each sublayer's depth mix is read through (the rule applies it; PostNorm writes with it): its
+        # input norm; in a one-branch layer the norm its attention and MLP share, or none where each has its own (GPT-
+        # NeoX), which the branch then applies to its parts
+        if len(self.sublayers) == 2:
+            self.read_norms = (self.norms.attention_input_norm, self.norms.mlp_input_norm)
+        else:
+            shared = self.norms.attention_input_norm == self.norms.mlp_input_norm
+            self.read_norms = (self.norms.attention_input_norm if shared else None,)
+            if config.attnres_mode == "postnorm" and not shared:
+                raise AttnResConfigError(
+                    "attnres_mode='postnorm' normalises the stream with the input norm of each residual branch, and "
+                    f"{config.text_config.model_type}'s one-branch layers have two ({self.norms.attention_input_norm} "
+                    f"before attention, {self.norms.mlp_input_norm} before the MLP), so no one norm would stand for "
+                    "them: use another rule."
+                )
 
         self.residual_multiplier = (
-            None if self.family.residual_multiplier_key is None
-            else getattr(config.text_config, self.family.residual_multiplier_key)
+            None if family.residual_multiplier_key is None
+            else getattr(config.text_config, family.residual_multiplier_key)
         )  # fmt: skip
 
     def _head(self, sublayer: str) -> tuple[nn.Module, ...]:
@@ -249,6 +267,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         if self.layer_type in RECURRENT_LAYER_TYPES:
             kwargs.pop("position_ids", None)  # as the sources call them: transformers 5.20's reject positions
             return token_mixer(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
+        if self.family.attention_cache_argument is not None:
+            kwargs[self.family.attention_cache_argument] = kwargs.pop(CACHE_NAME, None)
         output, _ = token_mixer(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
@@ -257,16 +277,39 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         )
         return output
 
+    def _mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        output = sum_outputs(getattr(self, name)(hidden_states) for name in self.mlp_parts)
+        return output[0] if self.family.mlp_returns_tuple else output
+
     def _sublayer_output(self, sublayer: int, output: torch.Tensor) -> torch.Tensor:
         """What sublayer `sublayer` (0: attention, 1: MLP) adds to the stream: its output after the family's output
         norm, residual dropout and residual multiplier, in the source's order."""
         family = self.family
-        output = self._norm((family.attention_output_norm, family.mlp_output_norm)[sublayer], output)
+        output = self._norm((self.norms.attention_output_norm, self.norms.mlp_output_norm)[sublayer], output)
         if family.output_dropouts is not None:
             output = getattr(self, family.output_dropouts[sublayer])(output)
         if self.residual_multiplier is not None:
             output = output * self.residual_multiplier
         return output
+
+    def _run_sublayer(self, index: int, hidden_states: torch.Tensor, *mixer_args, **kwargs) -> torch.Tensor:
+        """What sublayer `index` adds to the stream, from the input its depth mix gave it (through its read norm)."""
+        if len(self.sublayers) == 2:
+            if index == 0:
+                return self._sublayer_output(0, self._mix_tokens(hidden_states, *mixer_args, **kwargs))
+            return self._sublayer_output(1, self._mlp(hidden_states))
+        # One branch: its attention (or single mixer) and its MLP on the same input, each through its own input norm
+        # where the layer has two; their outputs summed, as the source adds them in one residual add
+        outputs = []
+        if self.token_mixer is not None:
+            attention_input = (
+                hidden_states if self.read_norms[0] else self._norm(self.norms.attention_input_norm, hidden_states)
+            )
+            outputs.append(self._sublayer_output(0, self._mix_tokens(attention_input, *mixer_args, **kwargs)))
+        if self.mlp_parts:
+            mlp_input = hidden_states if self.read_norms[0] else self._norm(self.norms.mlp_input_norm, hidden_states)
+            outputs.append(self._sublayer_output(1, self._mlp(mlp_input)))
+        return sum_outputs(outputs)
 
     def forward(
         self,
@@ -277,41 +320,33 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, ...]:
-        """-> (partial_sum, attention depth weights, MLP depth weights, completed_inv_rms, *completed_blocks)
+        """-> (partial_sum, each sublayer's depth weights (attention, MLP; or the branch's), completed_inv_rms,
+        *completed_blocks)
 
         The cache (KV, or a hybrid's recurrent state) is in `kwargs` under `CACHE_NAME`, passed on to the token mixer as
         the installed version names it.
         """
-        family, policy, rule = self.family, depth_mix_policy(self.config, partial_sum.shape[1]), self.rule
+        policy, rule = depth_mix_policy(self.config, partial_sum.shape[1]), self.rule
         depth = DepthState(completed_blocks, completed_inv_rms, partial_sum)
-        if self.attention_starts_block:
+        if self.starts_block[0]:
             depth = depth.close_block(self.config.attnres_eps)
-        attention_head, mlp_head = self._head("self_attention"), self._head("mlp")
-        attention_norm = partial(self._norm, family.attention_input_norm)
-        mlp_norm = partial(self._norm, family.mlp_input_norm)
-        # Once for both sublayers (AttnRes's phase 1): the MLP's mix reads the same completed blocks as the
+        heads = tuple(self._head(sublayer) for sublayer in self.sublayers)
+        # Once for all sublayers (AttnRes's phase 1): the MLP's mix reads the same completed blocks as the
         # attention's (a block the MLP closes closes after its mix)
-        attention_scores, mlp_scores = (
-            rule.score(depth, (attention_head, mlp_head)) if policy.shares_phase_one else (None,) * 2
-        )
-
-        attention_input, attention_depth_weights = rule.read(
-            depth, attention_head, attention_norm, attention_scores, policy
-        )
-        attention_output = self._mix_tokens(attention_input, attention_mask, position_embeddings, **kwargs)
-        depth = rule.write(depth, self._sublayer_output(0, attention_output), attention_head, attention_norm)
-
-        # In Full mode the MLP still reads the attention output as its partial sum, which closes after it
-        mlp_input, mlp_depth_weights = rule.read(depth, mlp_head, mlp_norm, mlp_scores, policy)
-        if self.mlp_starts_block:
-            depth = depth.close_block(self.config.attnres_eps)
-        mlp_output = sum_outputs(getattr(self, name)(mlp_input) for name in self.mlp_parts)
-        if family.mlp_returns_tuple:
-            mlp_output = mlp_output[0]
-        depth = rule.write(depth, self._sublayer_output(1, mlp_output), mlp_head, mlp_norm)
+        scores = rule.score(depth, heads) if policy.shares_phase_one else (None,) * len(heads)
+        depth_weights = []
+        for index, (head, sublayer_scores) in enumerate(zip(heads, scores, strict=True)):
+            norm = partial(self._norm, self.read_norms[index])
+            # In Full mode the MLP still reads the attention output as its partial sum, which closes after it
+            sublayer_input, weights = rule.read(depth, head, norm, sublayer_scores, policy)
+            if index and self.starts_block[index]:
+                depth = depth.close_block(self.config.attnres_eps)
+            output = self._run_sublayer(index, sublayer_input, attention_mask, position_embeddings, **kwargs)
+            depth = rule.write(depth, output, head, norm)
+            depth_weights.append(weights)
 
         completed_blocks, completed_inv_rms, partial_sum = depth
-        return partial_sum, attention_depth_weights, mlp_depth_weights, completed_inv_rms, *completed_blocks
+        return partial_sum, *depth_weights, completed_inv_rms, *completed_blocks
 
 
 @dataclass
@@ -412,35 +447,49 @@ class AttnResModel(AttnResPreTrainedModel):
         super().__init__(config)
         text_config, family = config.text_config, family_of(config)
         hidden_size = text_config.hidden_size
+        # The embedding, the layers and the final norm under the source's names (`embed_tokens`, `layers`, `norm`;
+        # GPT-J: `wte`, `h`, `ln_f`)
+        padding_idx = text_config.pad_token_id if family.embedding_padding_idx else None
         if family.scaled_embedding:
-            self.embed_tokens = family_class(family, "TextScaledWordEmbedding")(
-                text_config.vocab_size, hidden_size, text_config.pad_token_id, embed_scale=hidden_size**0.5
+            embedding = family_class(family, "TextScaledWordEmbedding")(
+                text_config.vocab_size, hidden_size, padding_idx, embed_scale=hidden_size**0.5
             )
         else:
-            self.embed_tokens = nn.Embedding(text_config.vocab_size, hidden_size, text_config.pad_token_id)
-        self.layers = nn.ModuleList(
-            [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(text_config.num_hidden_layers)]
-        )
+            embedding = nn.Embedding(text_config.vocab_size, hidden_size, padding_idx)
+        self.add_module(family.embedding, embedding)
+        self.embedding_dropout = (
+            None if family.embedding_dropout_key is None
+            else nn.Dropout(getattr(text_config, family.embedding_dropout_key))
+        )  # fmt: skip
+        layers = [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(text_config.num_hidden_layers)]
+        self.add_module(family.layers, nn.ModuleList(layers))
         # The final aggregation over all blocks, before the final norm (paper §3.2, A1): `output_attn_res_<part>`
         self.rule = DEPTH_RULES[config.attnres_mode].configured(config)
         if self.rule.output_parts:
-            output_index = 2 * text_config.num_hidden_layers
+            output_index = config.num_sublayers()
             for part, module in self.rule.heads(config, config.num_sources()[-1], output_index).items():
                 self.add_module(f"output_attn_res_{part}", module)
-        # The final norm under the source's name (`norm`; LFM2: `embedding_norm`)
-        final_norm = family_class(family, "RMSNorm")(hidden_size, eps=getattr(text_config, family.norm_eps_key))
-        self.add_module(family.final_norm, final_norm)
+        final_norm_class = (
+            nn.LayerNorm if family.final_norm_class is None else family_class(family, family.final_norm_class)
+        )
+        self.add_module(family.final_norm, final_norm_class(hidden_size, eps=getattr(text_config, family.norm_eps_key)))
         self.rotary_emb = (
             family_class(family, "RotaryEmbedding")(config=text_config) if uses_rope(family, text_config) else None
         )
         self.gradient_checkpointing = False
         self.post_init()
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers, whatever the source names them (`layers`; GPT-J, Falcon: `h`)."""
+        # Read as nn.Module reads a registered child: this property shadows the name `layers` itself
+        return nn.Module.__getattr__(self, family_of(self.config).layers)
+
     def get_input_embeddings(self) -> nn.Module:
-        return self.embed_tokens
+        return getattr(self, family_of(self.config).embedding)
 
     def set_input_embeddings(self, value: nn.Module) -> None:
-        self.embed_tokens = value
+        setattr(self, family_of(self.config).embedding, value)
 
     def _attention_masks(self, attention_mask, inputs_embeds, cache, position_ids, layer_types) -> dict:
         if isinstance(attention_mask, dict):  # already prepared per layer type, e.g. by `generate`
@@ -457,7 +506,9 @@ class AttnResModel(AttnResPreTrainedModel):
             "sliding_attention": create_sliding_window_causal_mask,
             **dict.fromkeys(RECURRENT_LAYER_TYPES, create_recurrent_attention_mask),
         }
-        return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in set(layer_types)}
+        # Layers without a token mixer (Nemotron-H's MLP layers) take no mask
+        mixing_types = set(layer_types) - set(family_of(self.config).mlp_layers)
+        return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in mixing_types}
 
     def position_embeddings_by_type(
         self, inputs_embeds: torch.Tensor, position_ids: torch.LongTensor, layer_types: list[str]
@@ -490,7 +541,7 @@ class AttnResModel(AttnResPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         text_config, family = self.config.text_config, family_of(self.config)
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self.get_input_embeddings()(input_ids)
         if family.embedding_multiplier_key is not None:  # Granite: applied to given embeddings too, as there
             inputs_embeds = inputs_embeds * getattr(text_config, family.embedding_multiplier_key)
         if use_cache and cache is None:
@@ -500,27 +551,30 @@ class AttnResModel(AttnResPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        layer_types = attention_layer_types(text_config)
+        layer_types = layer_types_of(text_config)
         attention_masks = self._attention_masks(attention_mask, inputs_embeds, cache, position_ids, layer_types)
         position_embeddings = self.position_embeddings_by_type(inputs_embeds, position_ids, layer_types)
 
         # The embedding (mHC: m copies of it); layer 0 starts the first block: the embedding becomes b_0
-        partial_sum = self.rule.start(self.config, inputs_embeds)
+        embedding = inputs_embeds if self.embedding_dropout is None else self.embedding_dropout(inputs_embeds)
+        partial_sum = self.rule.start(self.config, embedding)
         completed_inv_rms = inputs_embeds.new_empty(*inputs_embeds.shape[:-1], 0, dtype=torch.float32)  # [B,T,0]
         completed_blocks = ()
         depth_weights = []
+        sublayers = self.config.sublayers_per_layer()
         for decoder_layer, layer_type in zip(self.layers, layer_types, strict=True):
-            partial_sum, attention_weights, mlp_weights, completed_inv_rms, *completed_blocks = decoder_layer(
+            partial_sum, *layer_outputs = decoder_layer(
                 partial_sum,
                 completed_inv_rms,
                 *completed_blocks,
-                attention_mask=attention_masks[layer_type],
+                attention_mask=attention_masks.get(layer_type),
                 position_embeddings=position_embeddings[layer_type],
                 position_ids=position_ids,
                 **{CACHE_NAME: cache},
                 **kwargs,
             )
-            depth_weights += [attention_weights, mlp_weights]
+            depth_weights += layer_outputs[:sublayers]
+            completed_inv_rms, *completed_blocks = layer_outputs[sublayers:]
 
         depth = DepthState(tuple(completed_blocks), completed_inv_rms, partial_sum)
         output_head = tuple(getattr(self, f"output_attn_res_{part}") for part in self.rule.output_parts)
@@ -539,15 +593,20 @@ class AttnResModel(AttnResPreTrainedModel):
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}  # as every supported family's; the layers' plans: the config's
 
     def __init__(self, config: AttnResConfig):
         super().__init__(config)
+        family = family_of(config)
         self.model = AttnResModel(config)
         self.vocab_size = config.text_config.vocab_size
-        self.lm_head = nn.Linear(config.text_config.hidden_size, self.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.text_config.hidden_size, self.vocab_size, bias=family.lm_head_bias)
         self.post_init()
+
+    @property
+    def _tied_weights_keys(self) -> dict[str, str]:
+        # The LM head is tied (where the config ties it) to the embedding under the source's name (GPT-J: `wte`)
+        return {"lm_head.weight": f"model.{family_of(self.config).embedding}.weight"}
 
     @accepts_past_key_values
     @can_return_tuple
@@ -583,6 +642,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states)
         if family.logits_divisor_key is not None:
             logits = logits / getattr(text_config, family.logits_divisor_key)
+        if family.logits_multiplier_key is not None:
+            logits = logits * getattr(text_config, family.logits_multiplier_key)
         softcap = getattr(text_config, "final_logit_softcapping", None)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap

@@ -13,11 +13,22 @@ import textwrap
 
 import pytest
 import torch
-from tiny import attnres_twin, family_params, random_ids, stdlib_text_ids, tiny_source_model, tiny_tokenizer
+from tiny import (
+    attnres_twin,
+    family_params,
+    random_ids,
+    stdlib_text_ids,
+    tiny_source_config,
+    tiny_source_model,
+    tiny_tokenizer,
+)
 from transformers import AutoConfig
 
+from attnres import AttnResConfig, AttnResForCausalLM
+from attnres.configuration_attnres import AttnResConfigError
 from attnres.conversion import ConversionError, attnres_config_for, convert_to_attnres, verify_conversion
 from attnres.families import SUPPORTED_FAMILIES
+from attnres.rules import RULES
 
 SCALED_INIT = 0.1  # initializer_range: 5x the configs' 0.02, so that every sublayer moves the stream
 
@@ -138,12 +149,8 @@ def test_training_steps_lower_the_held_out_loss_as_the_source_s(family):
     [
         ("bert", {}, "post-norm architecture"),
         ("opt", dict(do_layer_norm_before=False), "post-norm architecture"),
-        ("cohere", {}, "parallel attention and MLP"),
-        ("gpt_neox", {}, "parallel attention and MLP"),
-        ("falcon", {}, "parallel attention and MLP"),
-        ("phi", {}, "parallel attention and MLP"),
+        ("falcon", dict(alibi=True), "Falcon with ALiBi"),
         ("falcon_h1", {}, "Mamba-2 and attention in parallel"),
-        ("nemotron_h", {}, "each hold one sublayer"),
         ("olmo_hybrid", {}, "attention layers normalise only their outputs"),
         ("t5", {}, "encoder"),
         ("gpt2", {}, "unsupported family 'gpt2': no row"),
@@ -156,6 +163,47 @@ def test_other_architectures_are_refused_by_name_with_the_reason(model_type, set
     message = str(error.value)
     assert f"'{model_type}'" in message and reason in message, message
     assert f"Supported families: {', '.join(SUPPORTED_FAMILIES)}." in message
+
+
+@pytest.mark.parametrize(
+    "family, settings, sublayers",
+    [
+        ("llama", {}, 2),
+        ("gpt_neox", dict(use_parallel_residual=True), 1),
+        ("gpt_neox", dict(use_parallel_residual=False), 2),
+        ("phi", {}, 1),
+        ("falcon", dict(new_decoder_architecture=True, parallel_attn=True), 1),
+        ("falcon", dict(new_decoder_architecture=False, parallel_attn=True), 1),
+        ("falcon", dict(new_decoder_architecture=False, parallel_attn=False), 2),
+    ],
+)
+def test_each_layer_has_the_residual_branches_of_its_source(family, settings, sublayers):
+    """One depth mix per residual branch: two where attention and MLP run one after the other, one where they run in
+    parallel on the same input; the block size counts decoder layers, so a block holds that many branches each."""
+    config = attnres_config_for(tiny_source_config(family, num_layers=4, **settings), block_size=2)
+    assert config.sublayers_per_layer() == sublayers and config.num_sublayers() == 4 * sublayers
+    starts = [index for index in range(config.num_sublayers()) if config.sublayer_starts_block(index)]
+    assert starts == [0, 2 * sublayers]
+
+
+@pytest.mark.parametrize(
+    "family, settings, sublayers",
+    [
+        ("gpt_neox", dict(use_parallel_residual=False), 2),
+        # Falcon-7B's decoder: one norm for both, one key-value head; Falcon-RW's layout without ALiBi: sequential
+        pytest.param("falcon", dict(new_decoder_architecture=False, multi_query=True), 1, marks=pytest.mark.slow),
+        pytest.param("falcon", dict(new_decoder_architecture=False, parallel_attn=False), 2, marks=pytest.mark.slow),
+    ],
+)
+def test_the_other_layouts_of_a_family_convert_exactly(family, settings, sublayers):
+    """GPT-NeoX with `use_parallel_residual=False` adds attention's output before its MLP reads the stream: the
+    two-sublayer layout, exact as the parallel one (test_conversion_reproduces_the_source_within_its_noise). Falcon's
+    old decoder (its tiny model has the new one) runs its attention and MLP in parallel on one norm, or in sequence."""
+    source = perturbed_source(family, **settings)
+    model = convert_to_attnres(copy.deepcopy(source), block_size=2)
+    assert model.config.sublayers_per_layer() == sublayers
+    report = verify_conversion(source, model, tiny_tokenizer(), new_tokens=24)
+    assert report.passed, report.format()
 
 
 ROUND_TRIP = """
@@ -190,3 +238,35 @@ def test_save_and_reload_as_remote_code(tmp_path):
     assert child.returncode == 0, child.stderr[-3000:]
     diffs = json.loads(child.stdout.strip().splitlines()[-1])
     assert diffs.keys() == folders.keys() and max(diffs.values()) == 0.0, diffs
+
+
+@pytest.mark.slow  # about 20 s a family: every rule that converts
+@pytest.mark.parametrize("family", ["gpt_neox", "phi"])  # a norm each for attention and MLP; one norm for both
+def test_every_rule_that_converts_is_exact_on_one_branch_layers_and_caches_alike(family):
+    """The residual rules run on one-branch layers as on two sublayers: each converts to what the source computes (mHC
+    up to the rounding of its equal stream weights), and with its parameters moved off their init generates the same
+    tokens with and without the cache."""
+    source, ids = tiny_source_model(family, num_layers=3), random_ids()
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = source(ids).logits
+    for rule in (name for name, spec in RULES.items() if spec.converts is None):
+        model = convert_to_attnres(source, mode=rule, block_size=1)
+        assert model.config.sublayers_per_layer() == 1
+        with torch.no_grad():
+            tolerance = 1e-6 if rule in ("mhc", "mhc_lite") else 0
+            assert (model(ids).logits - expected).abs().max().item() <= tolerance, rule
+            for name, parameter in model.named_parameters():
+                if "branch_res_" in name or "output_attn_res_" in name:
+                    parameter.add_(0.3 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(0)))
+        prompt = ids[:1, :5]
+        assert torch.equal(model.generate(prompt, **greedy), model.generate(prompt, use_cache=False, **greedy)), rule
+
+
+def test_postnorm_needs_one_input_norm_per_branch():
+    """PostNorm normalises the stream with the branch's input norm: Phi's, which attention and MLP share; GPT-NeoX's
+    branch has one each, so no one norm stands for it, and the model says so."""
+    AttnResForCausalLM(AttnResConfig(text_config=tiny_source_config("phi", num_layers=2), attnres_mode="postnorm"))
+    config = AttnResConfig(text_config=tiny_source_config("gpt_neox", num_layers=2), attnres_mode="postnorm")
+    with pytest.raises(AttnResConfigError, match="gpt_neox's one-branch layers have two .*: use another rule"):
+        AttnResForCausalLM(config)

@@ -14,7 +14,7 @@ GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_i
 
 
 def test_the_tiny_hybrids_alternate_recurrent_and_attention_layers():
-    assert len(HYBRIDS) == 7, HYBRIDS
+    assert len(HYBRIDS) == 8, HYBRIDS
     for family in HYBRIDS:
         layer_types = tiny_source_config(family, num_layers=2).layer_types
         assert layer_types[0] in RECURRENT_LAYER_TYPES and layer_types[1] == "full_attention", (family, layer_types)
@@ -38,7 +38,7 @@ def test_left_padded_batch_matches_single_prompts_and_the_source(family):
 
 
 @pytest.mark.slow  # torch.compile: 10 to 30 s a case
-@pytest.mark.parametrize("family", ["lfm2", "bamba"])
+@pytest.mark.parametrize("family", ["lfm2", "bamba", "nemotron_h"])
 def test_static_cache_compiled_generation_equals_eager(family, one_thread):
     """The hybrids' sources compile with a static cache (`_can_compile_fullgraph`); so does the AttnRes model, with
     trained (random) depth parameters, giving the eager tokens."""

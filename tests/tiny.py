@@ -43,6 +43,8 @@ TINY_MLA = dict(
 GRANITE_SCALARS = dict(
     embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.05, logits_scaling=8.0
 )
+NEMOTRON_MAMBA2 = dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16)
+NEMOTRON_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 TINY_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
 # Each supported family's settings beside COMMON (tests/test_architecture.py checks that none is missing)
 FAMILY_OVERRIDES = {
@@ -161,8 +163,29 @@ FAMILY_OVERRIDES = {
         num_experts_per_tok=2,
         mamba_d_state=16,
     ),
+    # One-branch layers: attention and MLP in parallel, LayerNorms with biases, partial rotary
+    "gpt_neox": dict(
+        rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5), use_parallel_residual=True
+    ),
+    "phi": dict(  # Phi-2's settings: a norm shared by attention and MLP, residual dropout, a biased LM head
+        rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5), resid_pdrop=0.1
+    ),
+    # GPT-J: interleaved rotary on half the head dimension, from a table of positions as long as the sample text
+    "gptj": dict(rotary_dim=8, max_position_embeddings=1024),
+    "codegen": dict(rotary_dim=8, max_position_embeddings=1024),
+    "cohere": dict(logit_scale=0.5),  # a LayerNorm without bias shared by attention and MLP, tied and scaled logits
+    "cohere2": dict(logit_scale=0.5, sliding_window=6, layer_types=None),  # RoPE on the sliding layers only
+    # Falcon's new decoder architecture: grouped keys and values, `ln_attn` and `ln_mlp` in parallel; its old one in
+    # test_families.py
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True, alibi=False),
+    # One mixer per layer: Mamba-2, attention, routed + shared experts, MLP, in turn (`layers_block_type`, set below)
+    "nemotron_h": dict(
+        **NEMOTRON_MAMBA2, **NEMOTRON_MOE, moe_shared_expert_intermediate_size=32, layers_block_type=None
+    ),
 }
-ALTERNATING_LAYER_TYPES = ("gemma2", "gemma3_text", "ministral")
+# Layer types in turn from layer 0 on, where a family has more than two
+LAYER_TYPE_CYCLES = {"nemotron_h": ("linear_attention", "full_attention", "moe", "mlp")}
+ALTERNATING_LAYER_TYPES = ("gemma2", "gemma3_text", "ministral", "cohere2")
 # The hybrids' recurrent layer type, which alternates with full attention from layer 0 on
 HYBRID_LAYER_TYPES = {
     "qwen3_next": "linear_attention",
@@ -219,10 +242,19 @@ def stdlib_text_ids(module: str, count: int, seq_len: int) -> torch.Tensor:
     return torch.tensor(tiny_tokenizer()(text)["input_ids"][: count * seq_len]).view(count, seq_len)
 
 
+# Settings of COMMON that a family's config refuses (Falcon derives its head dimension; its key-value heads are
+# `num_kv_heads`)
+COMMON_REFUSED = {"falcon": ("head_dim", "num_key_value_heads")}
+
+
 def tiny_source_config(family: str, num_layers: int = 5, **overrides):
-    kwargs = {**COMMON, **FAMILY_OVERRIDES[family], "num_hidden_layers": num_layers, **overrides}
+    common = {key: value for key, value in COMMON.items() if key not in COMMON_REFUSED.get(family, ())}
+    kwargs = {**common, **FAMILY_OVERRIDES[family], "num_hidden_layers": num_layers, **overrides}
     if family in ALTERNATING_LAYER_TYPES:  # alternate sliding and full attention layers
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if family in LAYER_TYPE_CYCLES:
+        cycle = LAYER_TYPE_CYCLES[family]
+        kwargs["layers_block_type"] = [cycle[i % len(cycle)] for i in range(num_layers)]
     if family in HYBRID_LAYER_TYPES:
         recurrent = HYBRID_LAYER_TYPES[family]
         kwargs["layer_types"] = [recurrent if i % 2 == 0 else "full_attention" for i in range(num_layers)]
@@ -263,7 +295,11 @@ def attnres_twin(source, seed: int | None = None, **attnres_settings) -> attnres
     """An AttnRes model holding the source's weights; with `seed`, random non-zero queries and key gains."""
     config = attnres.AttnResConfig(text_config=source.config.to_dict(), **attnres_settings)
     model = attnres.AttnResForCausalLM(config).eval()
-    result = model.load_state_dict(source.state_dict(), strict=False)
+    # The source's text model and LM head, as conversion takes them (GPT-NeoX and GPT-J keep their layers under
+    # `gpt_neox.` and `transformer.`, where the AttnRes model keeps them under `model.`)
+    state = {f"model.{name}": tensor for name, tensor in source.get_decoder().state_dict().items()}
+    state |= {f"lm_head.{name}": tensor for name, tensor in source.get_output_embeddings().state_dict().items()}
+    result = model.load_state_dict(state, strict=False)
     assert not result.unexpected_keys, result.unexpected_keys
     assert all(is_attnres_parameter(key) for key in result.missing_keys), result.missing_keys
     if seed is not None:

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..analysis import depth_weight_entropy, sublayer_names
+from ..analysis import config_sublayer_names, depth_weight_entropy
 from ..cards import conversion_record, model_card, origin_record, read_origin, write_origin
 from ..errors import TrainingError
 from ..folders import (
@@ -77,6 +77,7 @@ class Run:
     with_depth_weights: bool  # an AttnRes model, which reports its depth weights
     distribution: dict[str, Any]  # engine, world size and sharding in use (`distribution`)
     progress: TrainingProgress = field(default_factory=TrainingProgress)
+    sublayers: list[str] = field(default_factory=list)  # the labels of the depth weights' sublayers (A0, M0, ...)
 
     @property
     def output_dir(self) -> Path:
@@ -103,6 +104,7 @@ def start(config: TrainingConfig, accelerator: Accelerator) -> Run:
     model = load_model(config)
     # Block and Full AttnRes report their depth weights, a softmax over each sublayer's sources
     with_depth_weights = is_attnres(model) and model.config.attnres_mode in ATTNRES_MODES
+    sublayers = config_sublayer_names(model.config) if with_depth_weights else []
     if config.activation_checkpointing:
         model.activation_checkpointing_enable()
     if config.attnres_recompute:
@@ -132,6 +134,7 @@ def start(config: TrainingConfig, accelerator: Accelerator) -> Run:
         held_out_loader,
         with_depth_weights,
         distribution(accelerator, model),
+        sublayers=sublayers,
     )
     shape = run.distribution
     logger.info(
@@ -163,7 +166,7 @@ def evaluate(run: Run) -> dict[str, Any]:
     metrics: dict[str, Any] = {"eval_loss": torch.cat(losses).mean().item()}
     if run.with_depth_weights:
         mean_entropies = torch.cat(entropies).mean(0).tolist()
-        names = sublayer_names((len(mean_entropies) - 1) // 2) + ["output"]
+        names = run.sublayers + ["output"]
         metrics["depth_weight_entropy"] = dict(zip(names, mean_entropies, strict=True))
     return metrics
 
