@@ -20,7 +20,6 @@ import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
-from types import ModuleType
 
 import torch
 import transformers
@@ -126,7 +125,8 @@ def init_weights_as_family(family_model_cls: type[PreTrainedModel], text_config,
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Source families: the table lives in the configuration (data only); here, what it names.
+# Seam: the source families' modules. The family table (families.py, data) names them; `family_part` is the one reach
+# into `transformers.models.*`, each part checked, so that a release that moved or renamed one stops naming it.
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -134,14 +134,21 @@ def family_of(config: AttnResConfig) -> Family:
     return FAMILIES[config.text_config.model_type]
 
 
-def family_module(family: Family) -> ModuleType:
-    """transformers' modeling module of the family, whose classes and functions AttnRes runs."""
-    return importlib.import_module(f"transformers.models.{family.module_name}.modeling_{family.module_name}")
+def family_part(family: Family, name: str):
+    """The class or function `name` of transformers' modeling module of the family, which AttnRes runs (its decoder
+    layers, norms, RoPE, initialisation, MoE loss)."""
+    module_name = f"transformers.models.{family.module_name}.modeling_{family.module_name}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        module = None
+    require_transformers(hasattr(module, name), f"{module_name}.{name} (the {family.class_prefix} family's)")
+    return getattr(module, name)
 
 
 def family_class(family: Family, suffix: str) -> type:
     """The family's class of that name, e.g. "DecoderLayer" -> Qwen3MoeDecoderLayer."""
-    return getattr(family_module(family), family.class_prefix + suffix)
+    return family_part(family, family.class_prefix + suffix)
 
 
 def uses_rope(family: Family, text_config) -> bool:
@@ -652,7 +659,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
         if output_router_logits and family.num_experts_key is not None:
-            aux_loss = family_module(family).load_balancing_loss_func(
+            aux_loss = family_part(family, "load_balancing_loss_func")(
                 outputs.router_logits,
                 getattr(text_config, family.num_experts_key),
                 text_config.num_experts_per_tok,

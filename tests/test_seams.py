@@ -23,7 +23,7 @@ import torch
 from tiny import attnres_twin, tiny_source_model
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from attnres import compat
+from attnres import compat, modeling_attnres
 from attnres.compat import PrivatePartMissing, require
 from attnres.modeling_attnres import MODEL_HOOKS, REFUSES_STATEFUL_ASSISTED_DECODING, AttnResForCausalLM
 
@@ -299,6 +299,34 @@ def test_model_files_seam():
     config._attn_implementation, config.text_config._attn_implementation_internal = None, None
     model = AttnResForCausalLM(config)
     assert (model.config._attn_implementation, model.config.text_config._attn_implementation) == ("sdpa", "sdpa")
+
+
+def test_the_family_seam_names_a_part_a_release_lacks(monkeypatch):
+    """A transformers release whose family module lost a class AttnRes builds from stops the model's construction
+    naming the part and the releases to install, not with an AttributeError deep inside."""
+    from transformers.models.llama import modeling_llama
+
+    config = attnres_twin(tiny_source_model("llama", num_layers=2)).config
+    monkeypatch.delattr(modeling_llama, "LlamaDecoderLayer")
+    with pytest.raises(ImportError, match=r"modeling_llama\.LlamaDecoderLayer.*pip install \"transformers>="):
+        AttnResForCausalLM(config)
+
+
+def test_no_module_reaches_into_transformers_models_but_the_family_seam():
+    """`transformers.models.<family>` is reached only by `family_part` (modeling_attnres.py's family seam): a module
+    path written elsewhere in the package would bypass its check."""
+    reaches = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in package_files()
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if "transformers.models." in line.split("#", 1)[0]  # code, not a comment about it
+    ]
+    assert reaches == ["attnres/modeling_attnres.py:" + str(family_part_line())], reaches
+
+
+def family_part_line() -> int:
+    source, first = inspect.getsourcelines(modeling_attnres.family_part)
+    return first + next(i for i, line in enumerate(source) if "transformers.models." in line)
 
 
 def test_huggingface_hub_seam():
