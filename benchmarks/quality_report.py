@@ -182,8 +182,22 @@ def sweep_table(runs: list[dict]) -> str:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def holm_over_study(groups: dict, value) -> dict[tuple[str, str], float]:
+    """Holm-adjusted p-values of every (size, rule) paired with PreNorm in more than one seed, over all of them."""
+    differences = {
+        (size, variant): paired(groups, size, variant, "prenorm", value)
+        for size, variant in groups
+        if variant != "prenorm"
+    }
+    tested = [key for key, values in differences.items() if len(values) > 1]
+    return dict(zip(tested, holm([interval(differences[key])[3] for key in tested]), strict=True))
+
+
 def scratch_table(runs: list[dict], study: str) -> str:
+    """Each rule's final held-out loss, paired with PreNorm's by seed: raw p-values, and Holm's over every comparison
+    of the study (both sizes)."""
     groups = grouped(runs, study)
+    adjusted = holm_over_study(groups, final_loss)
     parts = []
     for size in sizes_of(groups):
         rows = []
@@ -201,12 +215,14 @@ def scratch_table(runs: list[dict], study: str) -> str:
                 f"{first['lr']:g}",
                 spread([final_loss(run) for run in group.values()]),
                 "–" if variant == "prenorm" else paired_text(paired(groups, size, variant, "prenorm", final_loss)),
+                f"{adjusted[size, variant]:.2g}" if (size, variant) in adjusted else "–",
                 cpu_cost(groups, size, variant, "prenorm"),
             ]
             rows.append(row)
         header = ["rule"] + (["paper, 436M (val. loss)"] if study == "table4" else []) + [
             "parameters", "seeds", "tokens per run", "learning rate", "final held-out loss (mean ± sd)",
-            "Δ vs PreNorm, same seed: mean [95% CI], p", "CPU s per step (vs PreNorm)",
+            "Δ vs PreNorm, same seed: mean [95% CI], p", f"p, Holm over the study's {len(adjusted)}",
+            "CPU s per step (vs PreNorm)",
         ]  # fmt: skip
         parts += [f"**Size `{size}`**\n", table(header, rows), "", gap_table(groups, size), ""]
     return "\n".join(parts).rstrip() + "\n"
