@@ -230,6 +230,11 @@ class Processes:
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()
 
+    def close(self) -> None:
+        """End the launch's process group once the study is done (the runs keep it up for the next)."""
+        if self.accelerator is not None:
+            self.accelerator.end_training()
+
     def agree(self, value: Any) -> Any:
         """The main process's `value`, on every process."""
         if self.accelerator is None:
@@ -380,7 +385,7 @@ def train_and_record(config: CompareConfig, study: Path, run: ArmRun, scored: bo
 
     options = processes.agree(training_config(config, run, study, processes.count))  # one `resume` for all
     if processes.agree(read_record(study, run) is None):
-        result = train(options)
+        result = train(options, keep_process_group=processes.count > 1)
         if result.interrupted:
             raise KeyboardInterrupt(f"stopped in {run.name} with a checkpoint saved")
         if processes.is_main:
@@ -599,6 +604,7 @@ def compare(config: CompareConfig | None = None, **options) -> dict[str, Any]:
     processes.on_main(lambda: prepare(config, study))
     work_through(config, study, processes)
     processes.on_main(lambda: write_results(config, study))
+    processes.close()
     return json.loads((study / RESULTS_FILE).read_text())
 
 
