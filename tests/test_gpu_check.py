@@ -26,7 +26,7 @@ def test_dry_run_runs_every_stage_and_prints_one_table(tmp_path):
     checks = [line.split(" | ")[0].removeprefix("| ") for line in table]
     assert checks[0] == "check"  # the header, then one row per figure
     assert checks.count("saved activations, block") == checks.count("saved activations, full") == 1
-    for check in ("tiny block, float32", "conversion verified", "device map", "fsdp2 training"):
+    for check in ("tiny block, float32", "conversion verified", "device map", "fsdp2 training", "compare"):
         assert check in checks, child.stdout
     assert any(check.startswith("ZeRO-3") or check == "deepspeed_zero3 training" for check in checks)
     assert "vLLM Transformers backend" in checks
