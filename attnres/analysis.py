@@ -363,7 +363,7 @@ def plot_mixing_matrices(panels: dict[str, list[list[float | None]]], sublayers:
     axes[0].set_ylabel("reading sublayer")
     figure.colorbar(image, ax=list(axes), label="weight of the source in the input (mean over tokens)")
     figure.suptitle("Depth-mixing matrices M: how much of each source enters each sublayer's input")
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, format="png")  # `path` may be a staging name without the suffix
 
 
 def _profile_axes(report: dict, config: AttnResConfig, title: str, ylabel: str) -> tuple["Figure", "Axes"]:

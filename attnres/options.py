@@ -334,6 +334,45 @@ NUMBER_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
 }
 
 
+# `attnres compare`'s arms beside the rules: the source trained as it is (no conversion), and what each arm trains
+# (`RULE:REGIME`, the regimes of `attnres train --train`)
+SOURCE_ARM = "source"
+REGIMES = ("all", "attnres", "lora")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of a study, as `--rules` names it: `block` (converted to Block AttnRes, every weight trained),
+    `block:attnres` (only the rule's own parameters), `block:lora` (LoRA adapters, the rule's parameters in full),
+    `source` (the source as it is, no conversion) or `source:lora`."""
+
+    name: str
+    rule: str | None  # None: the source, not converted
+    regime: str  # what trains: one of REGIMES
+
+    @classmethod
+    def parse(cls, text: str) -> "Arm":
+        """`RULE[:REGIME]` or `source[:REGIME]` -> the arm; OptionError naming the choices for anything else."""
+        rule, _, regime = text.strip().partition(":")
+        regime = regime or "all"
+        if rule != SOURCE_ARM and rule not in MODES:
+            raise OptionError(f"--rules: no rule {rule}; choose among {', '.join(MODES)}, or {SOURCE_ARM}")
+        if regime not in REGIMES:
+            raise OptionError(f"--rules {text}: no regime {regime}; after the colon choose {', '.join(REGIMES)}")
+        if rule == SOURCE_ARM and regime == "attnres":
+            raise OptionError(f"--rules {text}: the source has no rule of its own to train; use {rule} or {rule}:lora")
+        if regime == "attnres" and rule in PARAMETERLESS_MODES:
+            raise OptionError(
+                f"--rules {text}: {rule} has no parameters of its own to train; use {rule} (all weights) or {rule}:lora"
+            )
+        return cls(text.strip(), None if rule == SOURCE_ARM else rule, regime)
+
+    @property
+    def folder(self) -> str:
+        """The arm's name in file names (no colon)."""
+        return self.name.replace(":", "-")
+
+
 @dataclass
 class CompareConfig:
     """Options of `attnres compare`, one per field; `attnres.compare.compare(**options)` takes the same names.
@@ -357,9 +396,13 @@ class CompareConfig:
     )
     rules: str = field(
         default="prenorm,block,full",
-        metadata={"help": f"comma-separated rules to compare, the baseline among them ({', '.join(MODES)})"},
+        metadata={
+            "help": f"comma-separated arms to compare, the baseline among them: a rule ({', '.join(MODES)}), every "
+            f"weight trained; RULE:attnres, only the rule's own parameters; RULE:lora, LoRA adapters with the rule's "
+            f"parameters in full; {SOURCE_ARM} and {SOURCE_ARM}:lora, the source as it is, not converted"
+        },
     )
-    baseline: str = field(default="prenorm", metadata={"help": "the rule every other is compared with, seed by seed"})
+    baseline: str = field(default="prenorm", metadata={"help": "the arm every other is compared with, seed by seed"})
     seeds: int = field(default=3, metadata={"help": "seeds per rule (0, 1, ...): each seed is a pair of arms"})
     tokens: int = field(default=2_000_000, metadata={"help": "training tokens per arm (steps x batch x sequence)"})
     from_scratch: bool = field(
@@ -372,10 +415,33 @@ class CompareConfig:
     )
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate of every arm's weights"})
     attnres_lr: float | None = field(
-        default=None, metadata={"help": "learning rate of the rules' own parameters (default: --lr)"}
+        default=None,
+        metadata={
+            "help": "learning rate of the rules' own parameters (default: the arm's rate; an arm that trains only "
+            "them, RULE:attnres, trains them at its rate)"
+        },
+    )
+    lr_grid: str | None = field(
+        default=None,
+        metadata={
+            "help": "comma-separated learning rates: each arm's own rate is the one of these with the lowest final "
+            "validation loss at seed 0 (a best rate at an edge extends the grid by a factor 2 beyond it, at most "
+            "twice); the seeds then train at the rates chosen, and --lr is not used",
+            "metavar": "RATES",
+        },
+    )
+    grid_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "training tokens of each run of --lr-grid (default: --tokens, where the seed-0 arm is the grid's "
+            "run at the rate chosen)",
+            "metavar": "N",
+        },
     )
     seq_len: int = field(default=256, metadata={"help": "tokens per training sequence"})
-    batch_size: int = field(default=8, metadata={"help": "sequences per optimizer step"})
+    batch_size: int = field(
+        default=8, metadata={"help": "sequences per optimizer step, over all processes under a launcher"}
+    )
     evaluations: int = field(default=10, metadata={"help": "validation evaluations along each arm's run"})
     eval_sequences: int = field(default=64, metadata={"help": "validation sequences scored at each evaluation"})
     held_out_documents: int = field(
@@ -391,6 +457,13 @@ class CompareConfig:
             "near-duplicates stay in training"
         },
     )
+    cost_pairs: int = field(
+        default=10,
+        metadata={
+            "help": "interleaved pairs of training steps (each arm's initial model, then the baseline's, on the same "
+            "batch) timed for each arm's cost against the baseline; 0 measures none"
+        },
+    )
     text_field: str = field(default="text", metadata={"help": "field of a .jsonl or datasets corpus holding the text"})
     trust_remote_code: bool = field(default=False, metadata={"help": TRUST_REMOTE_CODE_HELP})
     overwrite: bool = field(
@@ -398,30 +471,60 @@ class CompareConfig:
     )
 
     def __post_init__(self):
-        for name in ("seeds", "tokens", "seq_len", "batch_size", "evaluations", "eval_sequences", "held_out_documents"):
+        counts = ("seeds", "tokens", "seq_len", "batch_size", "evaluations", "eval_sequences", "held_out_documents")
+        for name in counts:
             if getattr(self, name) < 1:
                 raise OptionError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise OptionError(f"--lr must be a positive number, got {self.lr}")
+        if self.cost_pairs < 0:
+            raise OptionError(f"--cost-pairs must be 0 (no cost measured) or more, got {self.cost_pairs}")
+        for name, rate in [
+            ("--lr", self.lr),
+            ("--attnres-lr", self.attnres_lr),
+            *(("--lr-grid", r) for r in self.grid()),
+        ]:
+            if rate is not None and not (math.isfinite(rate) and rate > 0):
+                raise OptionError(f"{name} must be a positive number, got {rate}")
         if not 0 <= self.max_shared <= 1:
             raise OptionError(f"--max-shared is a share of a document's windows, from 0 to 1; got {self.max_shared}")
-        unknown = [rule for rule in self.rule_list() if rule not in MODES]
-        if unknown:
-            raise OptionError(f"--rules {self.rules}: no rule {', '.join(unknown)}; choose among {', '.join(MODES)}")
-        if self.baseline not in self.rule_list():
+        arms = self.arms()
+        if len({arm.name for arm in arms}) < len(arms):
+            raise OptionError(f"--rules {self.rules}: an arm is named twice; name each once")
+        if self.baseline not in [arm.name for arm in arms]:
             raise OptionError(f"--baseline {self.baseline} is not among --rules {self.rules}: add it to --rules")
-        if len(self.rule_list()) < 2:
-            raise OptionError(f"--rules {self.rules}: a comparison needs the baseline and at least one other rule")
-        cannot_start = [rule for rule in self.rule_list() if rule in FROM_SCRATCH_ONLY]
+        if len(arms) < 2:
+            raise OptionError(f"--rules {self.rules}: a comparison needs the baseline and at least one other arm")
+        cannot_start = [arm.name for arm in arms if arm.rule in FROM_SCRATCH_ONLY]
         if cannot_start and not self.from_scratch:
             raise OptionError(
                 f"{', '.join(cannot_start)} cannot start as the source computes, so it cannot continue the checkpoint: "
                 "add --from-scratch to train every arm from random weights, or drop it from --rules"
             )
-        if self.tokens < self.seq_len * self.batch_size:
+        if self.from_scratch and any(arm.rule is None for arm in arms):
             raise OptionError(
-                f"--tokens {self.tokens} is less than one step ({self.batch_size} x {self.seq_len} tokens): raise it"
+                f"--rules {self.rules}: {SOURCE_ARM} continues the checkpoint, and --from-scratch starts from random "
+                "weights; from scratch, prenorm is the source's own computation: use it instead"
             )
+        if self.from_scratch and any(arm.regime != "all" for arm in arms):
+            raise OptionError(
+                f"--rules {self.rules}: training only part of random weights (:attnres, :lora) leaves the rest "
+                "random; drop --from-scratch to continue the checkpoint, or train every weight"
+            )
+        for name, tokens in (("--tokens", self.tokens), ("--grid-tokens", self.grid_tokens)):
+            if tokens is not None and tokens < self.seq_len * self.batch_size:
+                raise OptionError(
+                    f"{name} {tokens} is less than one step ({self.batch_size} x {self.seq_len} tokens): raise it"
+                )
+        if self.grid_tokens is not None and not self.grid():
+            raise OptionError("--grid-tokens sets the budget of the --lr-grid runs: add --lr-grid, or drop it")
 
-    def rule_list(self) -> list[str]:
-        return [rule.strip() for rule in self.rules.split(",") if rule.strip()]
+    def arms(self) -> list[Arm]:
+        return [Arm.parse(name) for name in self.rules.split(",") if name.strip()]
+
+    def grid(self) -> list[float]:
+        """The rates of --lr-grid, in increasing order (empty without one)."""
+        if not self.lr_grid:
+            return []
+        try:
+            return sorted({float(rate) for rate in self.lr_grid.split(",") if rate.strip()})
+        except ValueError:
+            raise OptionError(f"--lr-grid {self.lr_grid}: pass comma-separated rates, such as 5e-4,1e-3,2e-3") from None

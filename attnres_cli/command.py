@@ -23,6 +23,7 @@ import importlib.util
 import logging
 import os
 import sys
+import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -233,23 +234,36 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    """`CompareConfig`'s fields as arguments: SOURCE positional, the others options (`--output-dir`, ...)."""
+    """`CompareConfig`'s fields as arguments (SOURCE positional, the others options: `--output-dir`, ...), with
+    `--config` (a study file whose options the command line's override) and `--status`. An option not given is left
+    out of the parsed namespace, so that the study file's value stands; its default is `CompareConfig`'s."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="a study file (YAML) of these options by name (rules: prenorm,block; lr-grid: [5e-4, 1e-3]); options "
+        "given on the command line override it. Every study saves its own as DIR/study.yaml",
+    )
+    parser.add_argument(
+        "--status",
+        metavar="DIR",
+        default=argparse.SUPPRESS,
+        help="list the runs of the study in DIR, done, running (held by a worker) or left, and stop",
+    )
     for option in dataclasses.fields(CompareConfig):
-        settings = {"help": option.metadata["help"]}
+        shown = option.default not in (dataclasses.MISSING, None, False)
+        default = f" (default: {option.default})" if shown else ""
+        settings = {"help": option.metadata["help"] + default, "default": argparse.SUPPRESS}
         if option.name == "source":
-            parser.add_argument("source", metavar="SOURCE", **settings)
+            parser.add_argument("source", metavar="SOURCE", nargs="?", **settings)
             continue
         flag = "--" + option.name.replace("_", "-")
-        required = option.default is dataclasses.MISSING
         if option.type in (bool, "bool"):
             parser.add_argument(flag, action="store_true", **settings)
             continue
-        kind = {"int": int, "float": float, "float | None": float}.get(str(option.type), str)
-        if option.type in (int, float):
-            kind = option.type
-        metavar = option.metadata.get("metavar", option.name.upper().split("_")[-1] if required else None)
-        parser.add_argument(flag, type=kind, required=required, metavar=metavar,
-                            **({} if required else {"default": option.default}), **settings)  # fmt: skip
+        kind = next((t for t in typing.get_args(option.type) if t is not type(None)), option.type)
+        metavar = option.metadata.get("metavar", option.name.upper().split("_")[-1])
+        parser.add_argument(flag, type=kind, metavar=metavar, **settings)
 
 
 def add_push_arguments(parser: argparse.ArgumentParser) -> None:
@@ -335,12 +349,14 @@ COMMANDS = {
     ),
     "compare": Command(
         "compare depth-mixing rules on your model and data: paired seeds, intervals, Holm, cost",
-        "Which depth-mixing rule helps this model on this data, by how much, at what cost: every rule x seed trains "
-        "as `attnres train --convert --mode RULE --seed S` would (from the checkpoint, or --from-scratch), on a "
-        "three-way split of the documents (training, validation along the way, a test split that shares little "
-        "text with training, scored once); each rule's test loss is compared with the baseline's seed by seed (95% "
-        "interval, p, and Holm's p over the study). Writes results.json and report.md; the same command again "
-        "finishes only what is missing.",
+        "Which depth-mixing rule helps this model on this data, by how much, at what cost: every arm (a rule, a rule "
+        "with only its own parameters or LoRA trained, or the source as it is) x seed trains as `attnres train "
+        "--convert --mode RULE --seed S` would (from the checkpoint, or --from-scratch), on a three-way split of the "
+        "documents (training, validation along the way and for --lr-grid's choices, a test split that shares little "
+        "text with training, scored once); each arm's test loss is compared with the baseline's seed by seed (95% "
+        "interval, p, and Holm's p over the study), and its training step timed against the baseline's. Writes "
+        "results.json, report.md and figures; the same command again finishes only what is missing, and several "
+        "workers (or an `accelerate launch`) share one study.",
         add_compare_arguments,
         "attnres.compare:run_compare",
         models=(("source", None),),
@@ -494,14 +510,14 @@ def check_models(command: Command, args: argparse.Namespace) -> None:
     from attnres.sources import resolve_source, trust_remote_code_for
 
     for name, gguf_name in command.models:
-        model = getattr(args, name)
+        model = getattr(args, name, None)  # `compare` may take its SOURCE from a study file (checked as it loads)
         if model is None and args.command == "train":
             model = DEFAULT_SOURCE  # what `attnres train` starts from without --model
         for each in model if isinstance(model, list) else [model]:  # `analyze --compare A B` names several
             if each is not None:
                 gguf_file = getattr(args, gguf_name) if gguf_name else None
                 location, gguf_file = resolve_source(each, gguf_file, offline=getattr(args, "offline", None))
-                trust_remote_code_for(location, args.trust_remote_code, gguf_file)
+                trust_remote_code_for(location, getattr(args, "trust_remote_code", False), gguf_file)
 
 
 @contextmanager

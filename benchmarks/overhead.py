@@ -17,17 +17,13 @@ decode uses the static cache with a compiled forward; the compile time (the firs
 import argparse
 import contextlib
 import copy
-import ctypes
-import ctypes.util
 import functools
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +35,14 @@ import attnres
 from attnres.compat.torch_private import dispatch_mode_base, tensor_leaves
 from attnres.configuration_attnres import COMPILED_MIXES
 from attnres.conversion import DTYPES, attnres_config_for, convert_to_attnres
+from attnres.cost import (  # noqa: F401 (synchronize: the compile-time script reads it from here)
+    in_precision,
+    in_world,
+    interleaved_ratio,
+    keep_freed_memory,
+    synchronize,
+    training_step,
+)
 from attnres.modeling_attnres import CACHE_NAME
 from attnres.rules import RULES
 from attnres.sources import default_model_path, load_source
@@ -75,72 +79,9 @@ def attnres_twin(source: torch.nn.Module, mode: str) -> torch.nn.Module:
     return twin.eval()
 
 
-def keep_freed_memory() -> bool:
-    """Tell glibc's malloc to keep freed memory for reuse instead of handing it back to the OS, as PyTorch's caching
-    allocator does on a GPU. Otherwise every training step faults its large buffers in afresh, and how long that takes
-    varies with the kernel's memory reclaim from run to run, by more than AttnRes costs. Returns whether it applied."""
-    libc_path = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-    if libc_path is None:
-        return False
-    libc = ctypes.CDLL(libc_path)
-    m_trim_threshold, m_mmap_max = -1, -4  # mallopt parameters, malloc.h
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def interleaved_ratio(source_step: Callable, attnres_step: Callable, reps: int, warmup: int, device: str) -> dict:
-    """Median over reps of (AttnRes time / source time), each pair measured back to back. The first warm-up call of
-    each is reported apart: in the compiled world it is the compilation."""
-
-    def timed(step: Callable) -> float:
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        return time.perf_counter() - start
-
-    first_calls = [timed(source_step), timed(attnres_step)]
-    for _ in range(warmup - 1):
-        timed(source_step), timed(attnres_step)
-    pairs = [(timed(source_step), timed(attnres_step)) for _ in range(reps)]
-    return {
-        "first_call_s": {"source": first_calls[0], "attnres": first_calls[1]},
-        "source_s": statistics.median(s for s, _ in pairs),
-        "attnres_s": statistics.median(a for _, a in pairs),
-        "ratio": statistics.median(a / s for s, a in pairs),
-    }
-
-
-def in_world(model: torch.nn.Module, world: str) -> Callable:
-    return torch.compile(model, fullgraph=True) if world == "compiled" else model
-
-
-def in_precision(autocast: bool, device: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast around the forward pass (the backward runs in the dtypes the forward chose), or nothing."""
-    return torch.autocast(torch.device(device).type, torch.bfloat16) if autocast else contextlib.nullcontext()
-
-
 def precision_label(dtype: str, autocast: str) -> str:
     """How a row's figures were computed: the weights' dtype, and whether each forward ran under bf16 autocast."""
     return dtype + (" + bf16 autocast" if autocast == "bf16" else "")
-
-
-def training_step(model: torch.nn.Module, ids: torch.Tensor, world: str, autocast: bool = False) -> Callable:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    forward = in_world(model, world)
-
-    def step():
-        with in_precision(autocast, str(ids.device)):
-            loss = forward(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
 
 
 MEMORY_SCRIPT = """

@@ -19,6 +19,9 @@ still run, and the exit status is non-zero):
   over the GPU and the CPU), logits against one device.
 - `fsdp2`, `zero3`: a few training steps of the float32 conversion with the shipped Accelerate configs (bf16), on 2
   GPUs when there are 2.
+- `compare`: a short `attnres compare` of PreNorm and Block on SmolLM2-135M, one seed, over the Python standard
+  library's modules as documents: the runs, test loss and depth-mixing matrix on the GPU, and Block's training step
+  and its peak memory against PreNorm's, timed in interleaved pairs.
 - `vllm`: when `vllm` imports, greedy generation of the bf16 conversion through vLLM's Transformers backend against
   `generate`, on one GPU and, when there are two, at tensor-parallel size 2.
 
@@ -40,8 +43,9 @@ from functools import partial
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-STAGES = ("memory", "overhead", "conversion", "fla", "device_map", "fsdp2", "zero3", "vllm")
-STAGE_TIMEOUT_S = {"memory": 120, "overhead": 300, "conversion": 120, "device_map": 60, "fsdp2": 120, "zero3": 120}
+STAGES = ("memory", "overhead", "conversion", "fla", "device_map", "fsdp2", "zero3", "compare", "vllm")
+STAGE_TIMEOUT_S = {"memory": 120, "overhead": 300, "conversion": 120, "device_map": 60, "fsdp2": 120, "zero3": 120,
+                   "compare": 240}  # fmt: skip
 DEFAULT_STAGE_TIMEOUT_S = 120
 MODES = ("block", "full")
 DRY_RUN_TOKENIZER_VOCAB = 49152  # SmolLM2's tokenizer: the dry run's tiny model shares it to train on real text
@@ -178,9 +182,9 @@ def fla_step(model, ids, implementation: str) -> tuple:
 
 def stage_fla(work: Path, dry_run: bool) -> list[tuple]:
     import torch
-    from overhead import interleaved_ratio
 
     from attnres import AttnResForCausalLM
+    from attnres.cost import interleaved_ratio
 
     if dry_run:
         fla_op_in_place_of_the_kernel()
@@ -269,6 +273,36 @@ def stage_distributed(work: Path, dry_run: bool, engine: str) -> list[tuple]:
         f"{evaluations[-1]:.4f}, {steps[-1]['tokens_per_second']:,.0f} tokens/s"
     )
     return [(f"{engine} training", f"{processes} process(es)", figures, "runs" if dry_run else "runs; loss falls")]
+
+
+def stage_compare(work: Path, dry_run: bool) -> list[tuple]:
+    import sysconfig
+
+    from attnres.compare import compare
+
+    source = source_folder(work, dry_run)[0] if dry_run else "default"  # the embedded SmolLM2, as a user names it
+    documents = work / "compare-documents"  # the standard library's modules of 1 to 16 KB, one document each
+    if not documents.is_dir():
+        documents.mkdir()
+        for module in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+            if 1024 <= module.stat().st_size <= 16 * 1024:
+                (documents / f"{module.stem}.txt").write_bytes(module.read_bytes())
+    shape = dict(tokens=2 * 2 * 64, seq_len=64, batch_size=2, cost_pairs=2) if dry_run else \
+        dict(tokens=40 * 8 * 256, seq_len=256, batch_size=8, cost_pairs=10)  # fmt: skip
+    study = work / "compare"
+    shutil.rmtree(study, ignore_errors=True)  # an earlier check's study in this work folder
+    held_out = dict(evaluations=2, eval_sequences=8, held_out_documents=4, held_out_bytes=16 * 1024)
+    results = compare(source=source, data=str(documents), output_dir=str(study), rules="prenorm,block", seeds=1,
+                      **held_out, **shape)  # fmt: skip
+    cost = results["cost"]["block"]
+    memory = cost["peak_memory_bytes"]
+    memory_ratio = "-" if memory is None else f"{memory['arm'] / memory['baseline']:.3f}x"
+    comparison = results["comparisons"][0]
+    figures = (
+        f"step {cost['ratio']:.3f}x on {cost['device']}, peak memory {memory_ratio}; test loss block - prenorm "
+        f"{comparison['mean']:+.4f}; depth-mixing matrices {', '.join(results['mixing_matrices'])}"
+    )
+    return [("compare", f"prenorm vs block, 1 seed, {shape['tokens']:,} tokens", figures, "runs; step <= 1.05x")]
 
 
 def stage_vllm(work: Path, dry_run: bool) -> list[tuple]:

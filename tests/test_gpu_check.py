@@ -32,6 +32,7 @@ def test_dry_run_runs_every_stage_and_prints_one_table(tmp_path):
         "fla backend vs two_phase",
         "device map",
         "fsdp2 training",
+        "compare",
     ):
         assert check in checks, child.stdout
     assert any(check.startswith("ZeRO-3") or check == "deepspeed_zero3 training" for check in checks)

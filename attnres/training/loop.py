@@ -365,11 +365,13 @@ def trained_origin(run: Run, model: PreTrainedModel) -> dict[str, Any]:
     return origin
 
 
-def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
+def train(config: TrainingConfig | None = None, *, keep_process_group: bool = False, **options) -> TrainingResult:
     """Continue pretraining as `config` (or `TrainingConfig` fields given as keywords) says; see `attnres train -h`.
 
     Every process that `accelerate launch` or `torchrun` starts runs this and returns. Raises `TrainingError`,
-    `DataError` or `ConversionError` with a message that says what to change.
+    `DataError` or `ConversionError` with a message that says what to change. `keep_process_group`: leave the
+    launch's process group up when the run ends, for a caller that trains several runs in one launched process
+    (`attnres compare`, which ends it after the last); by default the run ends it, as a script's end would.
     """
     config = dataclasses.replace(config, **options) if config is not None else TrainingConfig(**options)
     check_trackers(config.report_to)
@@ -386,10 +388,10 @@ def train(config: TrainingConfig | None = None, **options) -> TrainingResult:
     # One run per output folder; the launcher's first process holds it for all (they share the folder)
     first_process = os.environ.get("RANK", "0") == "0"
     with output_lock(output_dir, TrainingError) if first_process else contextlib.nullcontext():
-        return run_training(config, output_dir)
+        return run_training(config, output_dir, keep_process_group)
 
 
-def run_training(config: TrainingConfig, output_dir: Path) -> TrainingResult:
+def run_training(config: TrainingConfig, output_dir: Path, keep_process_group: bool = False) -> TrainingResult:
     """`train` once its output folder is checked and held: every process's part of the run."""
     accelerator = make_accelerator(config)
     accelerator.wait_for_everyone()  # every process has checked OUTPUT_DIR before the first write to it
@@ -432,7 +434,11 @@ def run_training(config: TrainingConfig, output_dir: Path) -> TrainingResult:
         # DeepSpeed's engine lets go of its hooks and communication before the process group goes, not at the
         # interpreter's exit, where a ZeRO-3 rank once aborted after a finished run (std::terminate, in CI)
         accelerator.free_memory()
-        accelerator.end_training()
+        if keep_process_group:  # the trackers end, as `end_training` ends them; the group stays for the next run
+            for tracker in accelerator.trackers:
+                tracker.finish()
+        else:
+            accelerator.end_training()
     model = accelerator.unwrap_model(run.model, keep_torch_compile=False)
     return TrainingResult(output_dir, run.progress.step, metrics, stopped_by is not None, model, stopped_by)
 
