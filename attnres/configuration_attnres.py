@@ -21,6 +21,9 @@ from .rules import (
     ATTNRES_OPTIONS,
     DEFAULT_NUM_STREAMS,
     MAX_PERMUTATION_STREAMS,
+    MOVED_NAMES,
+    NAMING,
+    NAMING_KEY,
     OPTION_MODES,
     RULE_OPTIONS,
     RULES,
@@ -69,7 +72,7 @@ IMPLEMENTATIONS = ("two_phase", "naive")
 # memory (1000 streams on SmolLM2-135M would need 4e12 parameters)
 MAX_STREAM_PARAMETERS_RATIO = 4
 # The keys of `attnres_saved_layout` (`AttnResConfig.depth_layout`)
-LAYOUT_KEYS = ("attnres_mode", "attnres_block_size", *RULE_OPTIONS)
+LAYOUT_KEYS = ("attnres_mode", "attnres_block_size", *RULE_OPTIONS, NAMING_KEY)
 
 
 def _is_integer(value: object) -> bool:
@@ -131,10 +134,23 @@ def _check_family(text_config: PreTrainedConfig) -> None:
         )
 
 
-def _with_options_saved_before(saved: dict | None) -> dict | None:
-    """A saved layout with the options its rule gained since it was saved, at the value its weights hold
-    (`RuleOption.saved_before`: Highway's gate was a scalar per token before it had the option)."""
-    rule = RULES.get(saved.get("attnres_mode")) if saved is not None else None
+def _names_saved_before(saved: dict | None) -> dict:
+    """The names a saved layout gives that have moved to other forms since it was saved (`MOVED_NAMES`), with the
+    names of the forms its weights compute: {layout key: (name saved, name now)}; none in a layout of `NAMING`."""
+    if not isinstance(saved, dict) or NAMING_KEY in saved:
+        return {}
+    return {key: (saved[key], moved[saved[key]]) for key, moved in MOVED_NAMES.items() if saved.get(key) in moved}
+
+
+def _as_named_now(saved: dict | None) -> dict | None:
+    """A saved layout in today's names (`_names_saved_before`), with the options its rule gained since it was saved
+    at the value its weights hold (`RuleOption.saved_before`: Highway's gate was a scalar per token before it had the
+    option)."""
+    if saved is None:
+        return None
+    renamed = {key: now for key, (_, now) in _names_saved_before(saved).items()}
+    saved = {key: value for key, value in saved.items() if key != NAMING_KEY} | renamed
+    rule = RULES.get(saved.get("attnres_mode"))
     if rule is None:
         return saved
     options = {name: RULE_OPTIONS[name].saved_before for name in rule.options}
@@ -152,9 +168,11 @@ class AttnResConfig(PreTrainedConfig):
             the sums of the completed blocks and the partial sum of the current block. `"full"`: each sublayer attends
             over the embedding and every earlier sublayer output. The others are the rules the paper compares AttnRes
             with: `"prenorm"` (the source's own residual stream), `"postnorm"` (the stream normalised after each
-            sublayer, by that sublayer's input norm), `"rezero"` and `"layerscale"` (each sublayer output scaled by a
-            learned scalar or per-channel vector), `"highway"` (a per-channel gate g = sigmoid(W h/rms(h) + b)
-            between the stream and the output, h <- (1 - g) h + g f; see `attnres_highway_gate`), `"denseformer"`
+            sublayer, by that sublayer's input norm), `"rezero"` (each sublayer output scaled by a learned scalar, 0
+            at init, with no norm on the stream: ReZero as published), `"rezero_prenorm"` and `"layerscale"` (each
+            sublayer output scaled by a learned scalar or per-channel vector, the sublayer reading norm(h)),
+            `"highway"` (a per-channel gate g = sigmoid(W h/rms(h) + b) between the stream and the output, h <- (1 -
+            g) h + g f; see `attnres_highway_gate`), `"denseformer"`
             (each sublayer input a learned weighted sum of the embedding and every earlier output, weights 1 at
             init). `"mhc"`: manifold-constrained hyper-connections (DeepSeek,
             arXiv 2512.24880): `attnres_num_streams` residual streams, each sublayer reading a learned mix of them and
@@ -180,9 +198,9 @@ class AttnResConfig(PreTrainedConfig):
             exactly, so converted checkpoints reproduce their source bit for bit up to float rounding. Converted models
             turn it on; models trained from scratch can stay paper-literal (`False`).
         attnres_scale_init (`float`, *optional*):
-            The initial value of the `"rezero"` scalars and `"layerscale"` vectors. Defaults to each rule's published
-            initialisation for training from scratch: 0 for ReZero; for LayerScale, CaiT's 0.1 up to 18 layers, 1e-5 up
-            to 24, 1e-6 beyond. Conversion sets 1, the plain stream.
+            The initial value of the `"rezero"` and `"rezero_prenorm"` scalars and `"layerscale"` vectors. Defaults
+            to each rule's published initialisation for training from scratch: 0 for ReZero; for LayerScale, CaiT's
+            0.1 up to 18 layers, 1e-5 up to 24, 1e-6 beyond. Conversion sets 1, the plain stream.
         attnres_recompute (`bool`, defaults to `False`):
             The depth mix never keeps its intermediates for the backward pass (it recomputes them); with this on, it
             does not keep its output either, and recomputes the sublayer's input norm with it, so that a layer keeps
@@ -261,6 +279,7 @@ class AttnResConfig(PreTrainedConfig):
         _check_family(self.text_config)
         # The flag lives in the text config of the source; the tying machinery reads it from the top-level config.
         self.tie_word_embeddings = self.tie_word_embeddings or self.text_config.tie_word_embeddings
+        self._take_names_saved_before()
         self.check_attnres()
         self._check_saved_layout()
 
@@ -400,14 +419,26 @@ class AttnResConfig(PreTrainedConfig):
             layout["attnres_block_size"] = self.attnres_block_size
         layout |= {name: getattr(self, name) for name in rule.options if not RULE_OPTIONS[name].ablation}
         # Only those set: a layout saved before the options existed is the same layout
-        return layout | {name: getattr(self, name) for name in self.ablated_options()}
+        layout |= {name: getattr(self, name) for name in self.ablated_options()}
+        if any(layout.get(key) in moved for key, moved in MOVED_NAMES.items()):
+            layout[NAMING_KEY] = NAMING  # a name that meant another form before: it means this one
+        return layout
 
     def ablated_options(self) -> tuple[str, ...]:
         """The ablation options set away from the paper's AttnRes."""
         return tuple(name for name, option in ATTNRES_OPTIONS.items() if getattr(self, name) != option.default)
 
+    def _take_names_saved_before(self) -> None:
+        """A config.json saved before a name it holds moved to another form (`MOVED_NAMES`): the settings that hold
+        the name as saved take the name of the form its weights compute (a ReZero model of before `NAMING` is
+        "rezero_prenorm"), so that it loads and computes what it computed."""
+        for key, (saved, now) in _names_saved_before(self.attnres_saved_layout).items():
+            if getattr(self, key) == saved:
+                setattr(self, key, now)
+
     def _check_saved_layout(self) -> None:
-        saved, layout = _with_options_saved_before(self.attnres_saved_layout), self.depth_layout()
+        saved = _as_named_now(self.attnres_saved_layout)
+        layout = {key: value for key, value in self.depth_layout().items() if key != NAMING_KEY}
         self.attnres_saved_layout = None  # `to_dict` writes the layout the config has when it is saved
         if saved is None or saved == layout:
             return

@@ -522,8 +522,8 @@ class PostNormRule(DepthRule):
 
 
 class ScaledOutputRule(DepthRule):
-    """h <- h + s * f(norm(h)): ReZero (s a scalar) or LayerScale (s a vector [d]), s = `attnres_scale_init` at init,
-    else the rule's published value."""
+    """h <- h + s * f(norm(h)): ReZero on PreNorm (s a scalar) or LayerScale (s a vector [d]), s =
+    `attnres_scale_init` at init, else the rule's published value."""
 
     parts = ("scale",)
 
@@ -551,6 +551,19 @@ class ScaledOutputRule(DepthRule):
             return plain_coefficients(stream)
         (scale,) = head
         return plain_coefficients(stream, write=scale().detach().float().mean())
+
+
+class NormFreeScaledOutputRule(ScaledOutputRule):
+    """ReZero as published (Bachlechner et al. 2020, "ReZero is All You Need", Eq. 2): x_{i+1} = x_i + a_i F(x_i),
+    with no normalisation layer: each sublayer reads the raw stream, h <- h + a f(h), and the model's output is the
+    stream itself, without the final norm. The norms inside a sublayer (QK-norm, the output norms of Gemma and OLMo-2)
+    are the sublayer's own and stay."""
+
+    def read(self, depth, head, norm, scores, policy):
+        return depth.partial_sum, None
+
+    def finish(self, depth, head, final_norm, policy):
+        return depth.partial_sum, None
 
 
 class HighwayRule(DepthRule):
@@ -671,7 +684,8 @@ DEPTH_RULES = {
     "full": AttnResRule(),
     "prenorm": DepthRule(),
     "postnorm": PostNormRule(),
-    "rezero": ScaledOutputRule(per_channel=False),
+    "rezero": NormFreeScaledOutputRule(per_channel=False),
+    "rezero_prenorm": ScaledOutputRule(per_channel=False),
     "layerscale": ScaledOutputRule(per_channel=True),
     "highway": HighwayRule(),
     "denseformer": DenseFormerRule(),

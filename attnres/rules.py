@@ -50,6 +50,8 @@ class RuleSpec:
     # Its m residual streams are mixed by a convex combination of the m! permutation matrices (mHC-lite), which
     # caps m at `MAX_PERMUTATION_STREAMS`; else, under a stream rule, by an m x m matrix of logits (mHC)
     permutation_mix: bool = False
+    # The rule that weights saved under this rule's name before it named this form compute (see `NAMING`)
+    saved_before: str | None = None
 
 
 DEFAULT_NUM_STREAMS = 4
@@ -120,7 +122,15 @@ RULES = {
         "it normalises the stream after every sublayer, which the source does not do",
         learns=False,
     ),
-    "rezero": RuleSpec("ReZero (a learned scalar on each sublayer output)", "stream"),
+    "rezero": RuleSpec(
+        "ReZero (a learned scalar on each sublayer output; no norms: each sublayer reads the raw stream)",
+        "stream",
+        "it drops the sublayers' input norms and the final norm, which the source applies",
+        saved_before="rezero_prenorm",
+    ),
+    "rezero_prenorm": RuleSpec(
+        "ReZero on PreNorm (a learned scalar on each sublayer output, which reads the normalised stream)", "stream"
+    ),
     "layerscale": RuleSpec("LayerScale (a learned vector on each sublayer output)", "stream"),
     "highway": RuleSpec(
         "Highway (an input-dependent gate between the stream and each sublayer output)",
@@ -145,6 +155,14 @@ ATTNRES_MODES = tuple(mode for mode, rule in RULES.items() if rule.depth_attenti
 OPTION_MODES = {name: tuple(mode for mode, rule in RULES.items() if name in rule.options) for name in RULE_OPTIONS}
 # The paper's ablations of AttnRes (Table 4), as options
 ATTNRES_OPTIONS = {name: option for name, option in RULE_OPTIONS.items() if option.ablation}
+
+
+# The names a saved layout uses. Since naming 2, "rezero" names ReZero as published (without norms); a layout that
+# holds such a moved name without `NAMING_KEY` was saved before, and its weights compute the form the name had then
+# (`RuleSpec.saved_before`), which now has a name of its own
+NAMING = 2
+NAMING_KEY = "attnres_naming"
+MOVED_NAMES = {"attnres_mode": {mode: rule.saved_before for mode, rule in RULES.items() if rule.saved_before}}
 
 
 def stream_mix_rows(mode: str, streams: int) -> int:

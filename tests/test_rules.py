@@ -31,16 +31,19 @@ from attnres.configuration_attnres import AttnResConfigError
 from attnres.conversion import ConversionError, convert_to_attnres
 from attnres.depth_mixing import DepthState
 from attnres.depth_rules import (
+    DEPTH_RULES,
     HighwayGate,
     HighwayRule,
     HyperConnection,
     PermutationConnection,
+    ResidualScale,
     sinkhorn_knopp,
     write_coefficients,
     write_streams,
 )
 from attnres.folders import read_metrics
-from attnres.rules import RULES
+from attnres.modeling_attnres import depth_mix_policy
+from attnres.rules import MOVED_NAMES, NAMING, NAMING_KEY, RULES
 
 EXACT_RULES = [name for name, rule in RULES.items() if rule.converts is None]
 FAMILIES = ["llama", "gemma3_text", "qwen3_moe"]  # plain, (1 + w) norms with output norms and sliding layers, MoE
@@ -56,9 +59,10 @@ def scratch_model(family: str, rule: str, seed: int = 0, num_layers: int = 4, **
 
 def test_the_rules_the_paper_compares_are_all_offered():
     assert set(RULES) == {
-        "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer", "mhc", "mhc_lite", "block", "full"
+        "prenorm", "postnorm", "rezero", "rezero_prenorm", "layerscale", "highway", "denseformer", "mhc", "mhc_lite",
+        "block", "full",
     }  # fmt: skip
-    assert [name for name, rule in RULES.items() if rule.converts is not None] == ["postnorm", "highway"]
+    assert [name for name, rule in RULES.items() if rule.converts is not None] == ["postnorm", "rezero", "highway"]
 
 
 @pytest.mark.parametrize("family", family_params(FAMILIES))
@@ -78,7 +82,7 @@ def test_exact_rules_convert_to_what_the_source_computes(rule, family):
     assert (logits - expected).abs().max().item() <= tolerance
 
 
-@pytest.mark.parametrize("rule", ["postnorm", "highway"])
+@pytest.mark.parametrize("rule", ["postnorm", "rezero", "highway"])
 def test_rules_that_cannot_start_exact_are_refused_for_conversion(rule):
     with pytest.raises(ConversionError, match=rf"--mode {rule} cannot start as the source computes: .*--from-scratch"):
         convert_to_attnres(tiny_source_model("llama"), mode=rule)
@@ -166,6 +170,62 @@ def test_a_highway_model_saved_before_the_gate_option_is_known_as_the_token_gate
     ids = random_ids()
     with torch.no_grad():
         assert torch.equal(attnres.AttnResForCausalLM.from_pretrained(tmp_path)(ids).logits, model(ids).logits)
+
+
+# Each name that moved to a published form (rules.py's MOVED_NAMES): the settings of the form it named before, and
+# those of the form it names now
+MOVED = {
+    "rezero": ({"attnres_mode": "rezero_prenorm"}, {"attnres_mode": "rezero"}),
+}
+
+
+def form_model(settings: dict) -> attnres.AttnResForCausalLM:
+    options = {key: value for key, value in settings.items() if key != "attnres_mode"}
+    return scratch_model("llama", settings["attnres_mode"], **options).eval()
+
+
+def test_every_moved_name_is_tested():
+    assert set(MOVED) == {name for moved in MOVED_NAMES.values() for name in moved}
+
+
+@pytest.mark.parametrize("name", list(MOVED))
+def test_a_model_saved_before_its_name_moved_loads_and_computes_what_it_computed(name, tmp_path):
+    """Saved before `NAMING`, its config.json and layout named its form by the moved name, without `NAMING_KEY`: it
+    loads as the form it computed, under today's name, to the same logits, and saves under that name. Saved now, the
+    same name carries the naming and loads as the published form."""
+    before, now = MOVED[name]
+    key = next(key for key, moved in MOVED_NAMES.items() if name in moved)
+    model = form_model(before)
+    randomize_rule_parameters(model)
+    model.save_pretrained(tmp_path / "before")
+    config = json.loads((tmp_path / "before" / "config.json").read_text())
+    layout = config["attnres_saved_layout"]
+    assert NAMING_KEY not in layout  # today's name of the older form moved nowhere
+    config |= {key: name, "attnres_saved_layout": layout | {key: name}}  # as it was saved then
+    (tmp_path / "before" / "config.json").write_text(json.dumps(config))
+    reloaded = attnres.AttnResForCausalLM.from_pretrained(tmp_path / "before").eval()
+    assert getattr(reloaded.config, key) == before[key]
+    ids = random_ids()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    reloaded.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["attnres_saved_layout"] == layout
+
+    published = form_model(now)
+    published.save_pretrained(tmp_path / "now")
+    saved = json.loads((tmp_path / "now" / "config.json").read_text())["attnres_saved_layout"]
+    assert saved[key] == name and saved[NAMING_KEY] == NAMING
+    assert getattr(attnres.AttnResForCausalLM.from_pretrained(tmp_path / "now").config, key) == name
+
+
+def test_a_layout_saved_before_a_name_moved_still_refuses_an_edited_config(tmp_path):
+    """An old ReZero model whose config.json was edited to another rule: refused, naming the form it was made with."""
+    scratch_model("llama", "rezero_prenorm").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config |= {"attnres_mode": "prenorm", "attnres_saved_layout": {"attnres_mode": "rezero"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AttnResConfigError, match="says attnres_mode='prenorm', .* made with attnres_mode='rezero_pre"):
+        attnres.AttnResForCausalLM.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("family", ["olmo2", "olmo3", "exaone4"])
@@ -282,11 +342,74 @@ def test_every_rule_reloads_and_generates_with_and_without_the_cache_and_as_remo
 
 
 def test_rezero_and_layerscale_start_as_published_and_conversion_starts_them_at_one():
-    rezero, layerscale = scratch_model("llama", "rezero"), scratch_model("llama", "layerscale")
-    assert rezero.model.layers[0].self_attention_res_scale.weight.tolist() == [0.0]
+    for rezero in (scratch_model("llama", "rezero"), scratch_model("llama", "rezero_prenorm")):
+        assert rezero.model.layers[0].self_attention_res_scale.weight.tolist() == [0.0]
+    layerscale = scratch_model("llama", "layerscale")
     assert torch.all(layerscale.model.layers[0].mlp_res_scale.weight == 0.1)  # CaiT's value up to 18 layers
-    converted = convert_to_attnres(tiny_source_model("llama"), mode="layerscale")
-    assert torch.all(converted.model.layers[0].mlp_res_scale.weight == 1)
+    for rule in ("layerscale", "rezero_prenorm"):
+        converted = convert_to_attnres(tiny_source_model("llama"), mode=rule)
+        assert torch.all(converted.model.layers[0].mlp_res_scale.weight == 1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# ReZero as published (no norms) and on PreNorm
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_rezero_starts_as_the_identity_with_no_norm_on_the_stream(family):
+    """Every scale 0 and no norm anywhere on the stream: the model's output is the token embedding itself, bit for
+    bit (Gemma3's sublayers keep their own output norms, which the zero scales silence). ReZero on PreNorm ends in the
+    final norm of the embedding."""
+    ids = random_ids()
+    with torch.no_grad():
+        rezero = scratch_model(family, "rezero").model
+        assert torch.equal(rezero(ids).last_hidden_state, rezero.embed_tokens(ids))
+        prenorm = scratch_model(family, "rezero_prenorm").model
+        assert torch.equal(prenorm(ids).last_hidden_state, prenorm.norm(prenorm.embed_tokens(ids)))
+
+
+def rezero_layer(rule_name: str, attention, mlp, scales: tuple[float, float], x: torch.Tensor, norm) -> torch.Tensor:
+    """One decoder layer of sublayers `attention` and `mlp` [B,T,d] -> [B,T,d], its stream as the rule reads and
+    writes it, with the attention's and the MLP's scales."""
+    rule = DEPTH_RULES[rule_name]
+    heads = [(ResidualScale((1,), scale),) for scale in scales]
+    depth = DepthState((), x.new_zeros(*x.shape[:-1], 0), x)
+    policy = depth_mix_policy(scratch_model("llama", rule_name, num_layers=1).config)
+    for sublayer, head in zip((attention, mlp), heads, strict=True):
+        sublayer_input, _ = rule.read(depth, head, norm, None, policy)
+        depth = rule.write(depth, sublayer(sublayer_input), head, norm)
+    return depth.partial_sum
+
+
+def test_rezero_computes_the_authors_rezero_transformer_layer():
+    """The authors' ReZero package (`pip install rezero==0.1.0`, Bachlechner et al.; skipped without it): its
+    `RZTXEncoderLayer` computes x + a attn(x), then x + a ffn(x), with no norm and ONE scale a per layer, shared by
+    its two sublayers. Ours, around its own attention and feed-forward, computes the same where our attention's and
+    MLP's scales are equal (2.4e-7 measured); ours learns one scale per sublayer, so unequal scales leave theirs
+    (0.26 measured); ReZero on PreNorm reads norm(h) and leaves it too (0.066)."""
+    rezero_transformer = pytest.importorskip("rezero.transformer")
+    torch.manual_seed(0)
+    theirs = rezero_transformer.RZTXEncoderLayer(d_model=64, nhead=4, dim_feedforward=96, dropout=0.0).eval()
+    with torch.no_grad():
+        theirs.resweight.fill_(0.7)
+
+    def attention(x: torch.Tensor) -> torch.Tensor:  # theirs is sequence-first: [T,B,d]
+        return theirs.self_attn(*(x.transpose(0, 1),) * 3)[0].transpose(0, 1)
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        return theirs.linear2(theirs.activation(theirs.linear1(x)))
+
+    x = torch.randn(2, 5, 64)
+    rms_norm = torch.nn.RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        expected = theirs(x.transpose(0, 1)).transpose(0, 1)
+        ours = rezero_layer("rezero", attention, mlp, (0.7, 0.7), x, norm=rms_norm)
+        unequal = rezero_layer("rezero", attention, mlp, (0.7, 0.3), x, norm=rms_norm)
+        on_prenorm = rezero_layer("rezero_prenorm", attention, mlp, (0.7, 0.7), x, norm=rms_norm)
+    differences = [(other - expected).abs().max().item() for other in (ours, unequal, on_prenorm)]
+    print("ReZero against the authors' layer: equal scales, unequal, on PreNorm:", differences)
+    assert differences[0] <= 1e-6 and min(differences[1:]) > 0.05
 
 
 @pytest.mark.parametrize("num_streams", [2, 3, 4])
