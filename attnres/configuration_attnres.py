@@ -172,14 +172,16 @@ class AttnResConfig(PreTrainedConfig):
             at init, with no norm on the stream: ReZero as published), `"rezero_prenorm"` and `"layerscale"` (each
             sublayer output scaled by a learned scalar or per-channel vector, the sublayer reading norm(h)),
             `"highway"` (a per-channel gate g = sigmoid(W h/rms(h) + b) between the stream and the output, h <- (1 -
-            g) h + g f; see `attnres_highway_gate`), `"denseformer"`
-            (each sublayer input a learned weighted sum of the embedding and every earlier output, weights 1 at
-            init). `"mhc"`: manifold-constrained hyper-connections (DeepSeek,
-            arXiv 2512.24880): `attnres_num_streams` residual streams, each sublayer reading a learned mix of them and
-            writing its output into each with its own weight, the streams mixed by a per-token doubly stochastic
-            matrix (Sinkhorn-Knopp); it starts as the plain residual stream. `"mhc_lite"`: mHC with that matrix
-            a per-token convex combination of the m! permutation matrices (arXiv 2601.05732), doubly stochastic
-            exactly, without Sinkhorn-Knopp.
+            g) h + g f; see `attnres_highway_gate`), `"denseformer"` (DenseFormer as published: after each decoder
+            layer the stream becomes a learned weighted average of the embedding and every layer output so far, 1 on
+            the newest and 0 on the others at init; see `attnres_dwa_dilation` and `attnres_dwa_period`),
+            `"denseformer_sublayers"` (each sublayer input a learned weighted sum of the embedding and every earlier
+            sublayer output, weights 1 at init: the Kimi paper's view of DenseFormer). `"mhc"`: manifold-constrained
+            hyper-connections (DeepSeek, arXiv 2512.24880): `attnres_num_streams` residual streams, each sublayer
+            reading a learned mix of them and writing its output into each with its own weight, the streams mixed
+            by a per-token doubly stochastic matrix (Sinkhorn-Knopp); it starts as the plain residual stream.
+            `"mhc_lite"`: mHC with that matrix a per-token convex combination of the m! permutation matrices (arXiv
+            2601.05732), doubly stochastic exactly, without Sinkhorn-Knopp.
         attnres_block_size (`int`, *optional*):
             Decoder layers per block for `"block"` mode (the paper's `block_size` counts sublayers: it is twice this).
             Blocks start at the decoder layers whose 0-based index is a multiple of it. Defaults to
@@ -227,6 +229,12 @@ class AttnResConfig(PreTrainedConfig):
             hidden_size x hidden_size matrix (zero at init) and b a vector (-1 at init) per sublayer, as Highway
             Networks gate. `"token"`: one scalar gate per token, g = sigmoid(w . h/rms(h) + b), w a vector and b a
             scalar. An option of `"highway"` only; saved with the weights, since the two hold different parameters.
+        attnres_dwa_dilation (`int`, defaults to 1):
+            `"denseformer"`: each layer's average weighs every k-th block output back from its own (DenseFormer's
+            dilation; 1: all of them), at most num_hidden_layers.
+        attnres_dwa_period (`int`, defaults to 1):
+            `"denseformer"`: an average after every P-th decoder layer only (DenseFormer's DWA period; 1: after
+            each), at most num_hidden_layers.
         attnres_query (`str`, defaults to `"pseudo"`):
             Block and Full AttnRes: what scores the sources. `"pseudo"`: the paper's learned pseudo-query w.
             `"projected"` (ablation): an input-dependent query w + W RMSNorm(v) / hidden_size per token, v the latest
@@ -266,6 +274,8 @@ class AttnResConfig(PreTrainedConfig):
     attnres_compiled_mix: str = "inline"
     attnres_num_streams: int = DEFAULT_NUM_STREAMS
     attnres_highway_gate: str = "channel"
+    attnres_dwa_dilation: int = 1
+    attnres_dwa_period: int = 1
     attnres_query: str = "pseudo"
     attnres_score: str = "softmax"
     attnres_key_norm: bool = True
@@ -397,6 +407,13 @@ class AttnResConfig(PreTrainedConfig):
             if not valid or isinstance(value, bool) != isinstance(option.default, bool):
                 expected = f"one of {option.choices}" if option.choices else "a positive integer"
                 raise AttnResConfigError(f"{name}: got {value!r}, expected {expected}.")
+        num_layers = self.text_config.num_hidden_layers
+        for name in ("attnres_dwa_dilation", "attnres_dwa_period"):
+            if getattr(self, name) > num_layers:
+                raise AttnResConfigError(
+                    f"{name}: got {getattr(self, name)}, over num_hidden_layers={num_layers}: no decoder layer would "
+                    "average what it sets; pick at most the number of layers."
+                )
         hidden_size = self.text_config.hidden_size
         if hidden_size % self.attnres_depth_heads:
             raise AttnResConfigError(

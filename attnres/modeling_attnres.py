@@ -236,7 +236,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         )  # fmt: skip
 
     def _head(self, sublayer: str) -> tuple[nn.Module, ...]:
-        return tuple(getattr(self, f"{sublayer}_res_{part}") for part in self.rule.parts)
+        # The parts the sublayer has: a rule may learn nothing for some (DenseFormer: for attention sublayers)
+        names = (f"{sublayer}_res_{part}" for part in self.rule.parts)
+        return tuple(getattr(self, name) for name in names if name in self._modules)
 
     def _norm(self, name: str | None, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states if name is None else getattr(self, name)(hidden_states)

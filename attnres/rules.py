@@ -35,11 +35,12 @@ class RuleSpec:
     """One depth-mixing rule.
 
     `sources`: what a sublayer's input is formed from: "stream", one running representation (the recurrences; mHC's m
-    streams); "blocks", the token embedding, the sums of the completed blocks and the partial sum of the current one
-    (Block AttnRes); "outputs", the embedding and every sublayer output (Full AttnRes, DenseFormer). `converts`: None
-    where the rule can start as the source's plain residual stream (which conversion needs), else why it cannot.
-    `options`: the config fields of `RULE_OPTIONS` it takes. `depth_attention`: its sublayers mix by depth attention
-    (AttnRes), whose weights training logs and whose mix may be recomputed. `learns`: it adds parameters."""
+    streams; DenseFormer's stream, which each decoder layer's depth-weighted average sets); "blocks", the token
+    embedding, the sums of the completed blocks and the partial sum of the current one (Block AttnRes); "outputs", the
+    embedding and every sublayer output (Full AttnRes, DenseFormer per sublayer). `converts`: None where the rule can
+    start as the source's plain residual stream (which conversion needs), else why it cannot. `options`: the config
+    fields of `RULE_OPTIONS` it takes. `depth_attention`: its sublayers mix by depth attention (AttnRes), whose weights
+    training logs and whose mix may be recomputed. `learns`: it adds parameters."""
 
     label: str
     sources: str
@@ -98,6 +99,20 @@ RULE_OPTIONS = {
         DEFAULT_NUM_STREAMS,
         ablation=False,
     ),
+    "attnres_dwa_dilation": RuleOption(
+        "dwa_dilation",
+        "DenseFormer: each depth-weighted average reads every k-th block output back from the newest, as the "
+        "published dilation (default: 1, all of them)",
+        1,
+        ablation=False,
+    ),
+    "attnres_dwa_period": RuleOption(
+        "dwa_period",
+        "DenseFormer: a depth-weighted average after every P-th decoder layer only, as the published DWA period "
+        "(default: 1, after each)",
+        1,
+        ablation=False,
+    ),
     "attnres_highway_gate": RuleOption(
         "highway_gate",
         "Highway: the gate between the stream and each sublayer output: channel, one gate per channel from a d x d "
@@ -138,7 +153,16 @@ RULES = {
         "its gate mixes the stream and the sublayer output as (1 - g) h + g f, which is never the plain sum h + f",
         options=("attnres_highway_gate",),
     ),
-    "denseformer": RuleSpec("DenseFormer (learned static weights over every earlier output)", "outputs"),
+    "denseformer": RuleSpec(
+        "DenseFormer (after each decoder layer, learned static weights over the embedding and every layer output)",
+        "stream",
+        options=("attnres_dwa_dilation", "attnres_dwa_period"),
+        saved_before="denseformer_sublayers",
+    ),
+    "denseformer_sublayers": RuleSpec(
+        "DenseFormer per sublayer (learned static weights over the embedding and every earlier sublayer output)",
+        "outputs",
+    ),
     "mhc": RuleSpec(
         "mHC (m residual streams, mixed by doubly stochastic matrices)", "stream", options=("attnres_num_streams",)
     ),
@@ -157,9 +181,10 @@ OPTION_MODES = {name: tuple(mode for mode, rule in RULES.items() if name in rule
 ATTNRES_OPTIONS = {name: option for name, option in RULE_OPTIONS.items() if option.ablation}
 
 
-# The names a saved layout uses. Since naming 2, "rezero" names ReZero as published (without norms); a layout that
-# holds such a moved name without `NAMING_KEY` was saved before, and its weights compute the form the name had then
-# (`RuleSpec.saved_before`), which now has a name of its own
+# The names a saved layout uses. Since naming 2, "rezero" names ReZero as published (without norms) and
+# "denseformer" DenseFormer as published (an average after each decoder layer); a layout that holds such a moved name
+# without `NAMING_KEY` was saved before, and its weights compute the form the name had then (`RuleSpec.saved_before`),
+# which now has a name of its own
 NAMING = 2
 NAMING_KEY = "attnres_naming"
 MOVED_NAMES = {"attnres_mode": {mode: rule.saved_before for mode, rule in RULES.items() if rule.saved_before}}

@@ -172,7 +172,7 @@ RULES = {
     "rezero": "ReZero on PreNorm",
     "layerscale": "LayerScale",
     "highway": "Highway",
-    "denseformer": "DenseFormer",
+    "denseformer": "DenseFormer per sublayer",
     "mhc": "mHC",
 }
 # Table 4's ablations of AttnRes (paper §5.3), at `small` after the rules: variant -> (label, attnres_mode, options of
@@ -189,9 +189,10 @@ ABLATIONS = {
 }
 RULES |= {variant: label for variant, (label, _, _) in ABLATIONS.items()}
 # Variants named before their rule's name moved to the published form (attnres/rules.py's MOVED_NAMES): the committed
-# runs of "rezero" trained ReZero on PreNorm, "rezero_prenorm" now. The variant keeps its name (its results' files and
-# ids) and trains that form, under RULES' label
-MODE_OF_VARIANT = {"rezero": "rezero_prenorm"}
+# runs of "rezero" trained ReZero on PreNorm, "rezero_prenorm" now, and those of "denseformer" DenseFormer per
+# sublayer, "denseformer_sublayers" now. The variant keeps its name (its results' files and ids) and trains that form,
+# under RULES' label
+MODE_OF_VARIANT = {"rezero": "rezero_prenorm", "denseformer": "denseformer_sublayers"}
 TABLE4_RULES = {"small": tuple(RULES), "base": ("prenorm", "block", "full", "denseformer", "mhc")}
 LONG_RULES = ("prenorm", "block", "full")
 # Options that take their value from the sweep when the run starts (the sweep's best learning rate of the size)

@@ -48,7 +48,8 @@ BLOCK = re.compile(r"(<!-- report: (?P<name>[\w-]+) -->\n).*?(<!-- /report -->)"
 
 def load(results: Path, labels: dict[str, str]) -> list[dict[str, Any]]:
     """The results, each under the label its variant has now (`labels`, quality.RULES) where it has one: the committed
-    runs of "rezero" say "ReZero", the name of the form they trained when they ran, ReZero on PreNorm now."""
+    runs of "rezero" and "denseformer" say "ReZero" and "DenseFormer", the names of the forms they trained when they
+    ran, ReZero on PreNorm and DenseFormer per sublayer now."""
     runs = [json.loads(path.read_text()) for path in sorted(results.glob("*.json"))]
     return [run | {"label": labels.get(run["variant"], run["label"])} for run in runs]
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,8 @@ def scratch_model(family: str, rule: str, seed: int = 0, num_layers: int = 4, **
 
 def test_the_rules_the_paper_compares_are_all_offered():
     assert set(RULES) == {
-        "prenorm", "postnorm", "rezero", "rezero_prenorm", "layerscale", "highway", "denseformer", "mhc", "mhc_lite",
-        "block", "full",
+        "prenorm", "postnorm", "rezero", "rezero_prenorm", "layerscale", "highway", "denseformer",
+        "denseformer_sublayers", "mhc", "mhc_lite", "block", "full",
     }  # fmt: skip
     assert [name for name, rule in RULES.items() if rule.converts is not None] == ["postnorm", "rezero", "highway"]
 
@@ -172,10 +173,71 @@ def test_a_highway_model_saved_before_the_gate_option_is_known_as_the_token_gate
         assert torch.equal(attnres.AttnResForCausalLM.from_pretrained(tmp_path)(ids).logits, model(ids).logits)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# DenseFormer as published: a depth-weighted average after each decoder layer
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def papers_denseformer_logits(source, weights: list[torch.Tensor | None], dilation: int, ids) -> torch.Tensor:
+    """The paper's DenseFormer (Pagliardini et al. 2024, Eq. 1), line by line around the source model's own blocks:
+    X_0 the embedding, X_i = B_i(Y_{i-1}), and after block i, where it has weights (its period), Y_i = sum_j
+    alpha_ij X_j over X_0 .. X_i, every `dilation`-th back from X_i (elsewhere Y_i = X_i); the final norm reads
+    Y_L. Forward hooks put the average after each of the source's decoder layers."""
+    outputs = []
+    layers = source.model.layers
+    hooks = [layers[0].register_forward_pre_hook(lambda module, args: outputs.append(args[0]))]
+
+    def average(module, args, output, block: int):
+        outputs.append(output)
+        if weights[block] is None:
+            return output
+        kept = outputs[(block + 1) % dilation :: dilation]
+        return sum(alpha * x for alpha, x in zip(weights[block], kept, strict=True))
+
+    hooks += [layer.register_forward_hook(partial(average, block=i)) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            return source(ids).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("dilation, period", [(1, 1), (2, 3)])
+def test_denseformer_averages_the_block_outputs_as_the_paper_and_converts_exactly(dilation, period):
+    """Converted, it computes its source bit for bit (X_i's weight 1, the others 0). With random weights it computes
+    the paper's equation around the source's blocks (2.4e-7 and 1.2e-7 measured; the authors' DWAModules, run the
+    same way, gave 2.4e-7 and 1.2e-7 on six layers: not a dependency, as it is not on PyPI)."""
+    source = tiny_source_model("llama", num_layers=6)
+    ids = random_ids()
+    options = {"attnres_dwa_dilation": dilation, "attnres_dwa_period": period}
+    with torch.no_grad():
+        expected = source(ids).logits
+        model = convert_to_attnres(source, mode="denseformer", options=options).eval()
+        assert torch.equal(model(ids).logits, expected)
+        randomize_rule_parameters(model)
+        logits = model(ids).logits
+    weights = [layer.mlp_res_average.weight for layer in model.model.layers]
+    assert [w is not None for w in weights] == [(i + 1) % period == 0 for i in range(6)]
+    assert [len(w) for w in weights if w is not None] == [
+        (i + 1) // dilation + 1 for i in range(6) if (i + 1) % period == 0
+    ]
+    difference = (logits - papers_denseformer_logits(source, weights, dilation, ids)).abs().max().item()
+    print(f"DenseFormer (dilation {dilation}, period {period}) against the paper's equation: {difference:.2g}")
+    assert difference <= 1e-6 and (logits - expected).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("option", ["attnres_dwa_dilation", "attnres_dwa_period"])
+def test_a_denseformer_option_past_the_depth_is_refused(option):
+    with pytest.raises(AttnResConfigError, match=rf"{option}: got 5, over num_hidden_layers=4: .*at most"):
+        scratch_model("llama", "denseformer", **{option: 5})
+
+
 # Each name that moved to a published form (rules.py's MOVED_NAMES): the settings of the form it named before, and
 # those of the form it names now
 MOVED = {
     "rezero": ({"attnres_mode": "rezero_prenorm"}, {"attnres_mode": "rezero"}),
+    "denseformer": ({"attnres_mode": "denseformer_sublayers"}, {"attnres_mode": "denseformer"}),
 }
 
 
