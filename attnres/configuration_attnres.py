@@ -237,10 +237,12 @@ class AttnResConfig(PreTrainedConfig):
             each), at most num_hidden_layers.
         attnres_query (`str`, defaults to `"pseudo"`):
             Block and Full AttnRes: what scores the sources. `"pseudo"`: the paper's learned pseudo-query w.
-            `"projected"` (ablation): an input-dependent query w + W RMSNorm(v) / hidden_size per token, v the latest
-            source, W a hidden_size x hidden_size matrix per sublayer, zero at init (the 1/hidden_size keeps its
-            logits moving at the pseudo-query's pace under Adam). `"scalars"` (ablation, input-independent
-            mixing): a learned logit per source replaces query and key, zero at init.
+            `"projected"` (ablation): an input-dependent query w + W RMSNorm(v) / hidden_size per token, v the hidden
+            state (the sum of the sources: the embedding and every earlier output), W a hidden_size x hidden_size
+            matrix per sublayer, zero at init (the 1/hidden_size keeps its logits moving at the pseudo-query's pace
+            under Adam). `"projected_latest"`: the same, v the latest source (the previous sublayer's output in
+            Full mode), as `"projected"` was until the hidden state took the name. `"scalars"` (ablation,
+            input-independent mixing): a learned logit per source replaces query and key, zero at init.
         attnres_score (`str`, defaults to `"softmax"`):
             Block and Full AttnRes: `"softmax"` over the sources, or `"sigmoid"` (ablation) of each logit, not
             renormalised.

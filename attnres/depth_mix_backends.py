@@ -93,7 +93,7 @@ def score_completed_blocks(depth: DepthState, options: DepthAttention, *heads: t
     device = depth.completed_inv_rms.device
     queries = torch.cat(
         [
-            folded_queries(sublayer_query(depth, learned, options.eps), learned.key_gain, options.heads)
+            folded_queries(sublayer_query(depth, learned, options), learned.key_gain, options.heads)
             for learned in (learned_parameters(head, options, device) for head in heads)
         ]
     )  # [q*H,d]
@@ -280,7 +280,7 @@ def depth_attention(
     depth_inputs = (depth.partial_sum, depth.completed_inv_rms, *depth.completed_blocks)
     # Only the two-phase mix reads its sources in place: the reference stacks them, the projected query normalises the
     # latest one, and both make copies
-    in_place = policy.backend == "two_phase" and options.query != "projected" and not reads_copies(depth.sources())
+    in_place = policy.backend == "two_phase" and not options.projects_query and not reads_copies(depth.sources())
     keeps_copies = policy.recompute or not in_place
     sublayer_input, weights = recomputed(mix, learned, block_logits, *depth_inputs, keeps_copies=keeps_copies)
     return (sublayer_input if policy.recompute else input_norm(sublayer_input)), weights

@@ -51,8 +51,8 @@ class AttnResPseudoQuery(RuleModule):
 
 class AttnResQueryProjection(RuleModule):
     """The input-dependent query's projection W [d,d] of one sublayer (ablation `query="projected"`): the query is
-    w + W RMSNorm(v) / d, v the latest source. Zero at init, so the query starts as the pseudo-query w. Not an
-    `nn.Linear`, for the reason `AttnResPseudoQuery` gives.
+    w + W RMSNorm(v) / d, v the hidden state (depth_mixing.py's `projected_input`). Zero at init, so the query
+    starts as the pseudo-query w. Not an `nn.Linear`, for the reason `AttnResPseudoQuery` gives.
 
     Why 1/d: the logit RMSNorm(v)ᵀ Wᵀ k̂ is a bilinear form of two vectors of norm ~sqrt(d), so under Adam (every
     entry of W moving at the learning rate) it moves ~d times faster than wᵀ k̂. Unscaled, the depth softmax turns

@@ -28,6 +28,8 @@ class RuleOption:
     # The value of weights saved before the option existed, whose saved layout therefore lacks it (None: the option
     # is as old as its rule, or an ablation, which a layout holds only away from its default)
     saved_before: object = None
+    # Its values that named another form before `NAMING`: {value: that form's value now}
+    moved: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,12 @@ RULE_OPTIONS = {
     "attnres_query": RuleOption(
         "query",
         "Block and Full AttnRes: what scores the sources: pseudo, the paper's learned pseudo-query (default); "
-        "projected, a query projected from the latest source per token (a d x d matrix per sublayer); scalars, a "
-        "learned logit per source in place of query and key",
+        "projected, a query projected per token from the hidden state, the sum of the sources (a d x d matrix per "
+        "sublayer); projected_latest, one projected from the latest source; scalars, a learned logit per source in "
+        "place of query and key",
         "pseudo",
-        ("pseudo", "projected", "scalars"),
+        ("pseudo", "projected", "projected_latest", "scalars"),
+        moved={"projected": "projected_latest"},  # the projected query read the latest source until naming 2
     ),
     "attnres_score": RuleOption(
         "score",
@@ -182,12 +186,15 @@ ATTNRES_OPTIONS = {name: option for name, option in RULE_OPTIONS.items() if opti
 
 
 # The names a saved layout uses. Since naming 2, "rezero" names ReZero as published (without norms) and
-# "denseformer" DenseFormer as published (an average after each decoder layer); a layout that holds such a moved name
-# without `NAMING_KEY` was saved before, and its weights compute the form the name had then (`RuleSpec.saved_before`),
-# which now has a name of its own
+# "denseformer" DenseFormer as published (an average after each decoder layer), and the query "projected" reads the
+# hidden state; a layout that holds such a moved name without `NAMING_KEY` was saved before, and its weights compute
+# the form the name had then (`RuleSpec.saved_before`, `RuleOption.moved`), which now has a name of its own
 NAMING = 2
 NAMING_KEY = "attnres_naming"
-MOVED_NAMES = {"attnres_mode": {mode: rule.saved_before for mode, rule in RULES.items() if rule.saved_before}}
+MOVED_NAMES = {
+    "attnres_mode": {mode: rule.saved_before for mode, rule in RULES.items() if rule.saved_before},
+    **{name: option.moved for name, option in RULE_OPTIONS.items() if option.moved},
+}
 
 
 def stream_mix_rows(mode: str, streams: int) -> int:

@@ -179,7 +179,12 @@ RULES = {
 # the config). The paper's H = 16 depth heads and window of W = 8 of its 32 sublayers; our `small` has 12 sublayers, so
 # its window is 3, the same quarter of the depth (8 would leave out nothing but the first sublayer outputs)
 ABLATIONS = {
-    "full-projected-query": ("Full w/ input-dependent query", "full", {"attnres_query": "projected"}),
+    # Made when the projected query read the latest source, "projected_latest" since (attnres/rules.py's MOVED_NAMES)
+    "full-projected-query": (
+        "Full w/ input-dependent query (latest source)",
+        "full",
+        {"attnres_query": "projected_latest"},
+    ),
     "full-scalar-mixing": ("Full w/ input-independent mixing", "full", {"attnres_query": "scalars"}),
     "full-sigmoid": ("Full w/ sigmoid", "full", {"attnres_score": "sigmoid"}),
     "full-no-key-norm": ("Full w/o key RMSNorm", "full", {"attnres_key_norm": False}),

@@ -30,7 +30,7 @@ from attnres.analysis import depth_weight_entropy
 from attnres.cards import describe_layout
 from attnres.configuration_attnres import AttnResConfigError
 from attnres.conversion import ConversionError, convert_to_attnres
-from attnres.depth_mixing import DepthState
+from attnres.depth_mixing import DepthAttention, DepthParameters, DepthState, sublayer_query
 from attnres.depth_rules import (
     DEPTH_RULES,
     HighwayGate,
@@ -238,6 +238,10 @@ def test_a_denseformer_option_past_the_depth_is_refused(option):
 MOVED = {
     "rezero": ({"attnres_mode": "rezero_prenorm"}, {"attnres_mode": "rezero"}),
     "denseformer": ({"attnres_mode": "denseformer_sublayers"}, {"attnres_mode": "denseformer"}),
+    "projected": (
+        {"attnres_mode": "full", "attnres_query": "projected_latest"},
+        {"attnres_mode": "full", "attnres_query": "projected"},
+    ),
 }
 
 
@@ -840,10 +844,34 @@ def test_ablations_train_from_scratch(ablation, text_batches):
     assert after < before - 1.0
 
 
+@pytest.mark.parametrize("partial", [True, False], ids=["partial-sum", "block-just-closed"])
+def test_the_projected_query_reads_the_hidden_state_the_sum_of_the_sources(partial):
+    """The paper's input-dependent query, "projected from the hidden state", line by line: q = w + W RMSNorm(h) / d,
+    h = v_0 + ... + v_n the sum of the sublayer's sources (the embedding and every output since: the standard
+    residual stream). `projected_latest` reads the latest source v_n instead, as `projected` did before naming 2."""
+    torch.manual_seed(0)
+    d, eps = 16, 1e-6
+    blocks = tuple(torch.randn(2, 3, d) * scale for scale in (1.0, 4.0, 9.0))
+    depth = DepthState(blocks, torch.zeros(2, 3, len(blocks)), torch.randn(2, 3, d) if partial else None)
+    learned = DepthParameters(pseudo_query=torch.randn(1, d), query_projection=torch.randn(d, d))
+    w, W = learned.pseudo_query, learned.query_projection
+
+    def reference(v: torch.Tensor) -> torch.Tensor:
+        rmsnorm_v = v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+        return (w + rmsnorm_v @ W.T / d).unsqueeze(-2)
+
+    sources = depth.sources()
+    for query, v in (("projected", sum(sources)), ("projected_latest", sources[-1])):
+        ours = sublayer_query(depth, learned, DepthAttention(eps=eps, query=query))
+        torch.testing.assert_close(ours, reference(v), rtol=0, atol=1e-5)
+    assert (reference(sum(sources)) - reference(sources[-1])).abs().max() > 0.1
+
+
 def test_the_projected_query_trains_at_the_pseudo_query_s_pace(text_batches):
     """An input-dependent query keeps a spread over depth as it trains and learns as fast as Full AttnRes. Measured
-    after 30 steps: depth-weight entropy 1.48 (Full 1.50) nats, held-out loss 3.223 (3.225); without the projection's
-    1/d the softmax went near one-hot (entropy 0.23) and the loss stalled (3.484)."""
+    after 30 steps: depth-weight entropy 1.46 (Full 1.50) nats, held-out loss 3.203 (3.225); from the latest source
+    (`projected_latest`), 1.48 and 3.223; without the projection's 1/d (then from the latest source) the softmax went
+    near one-hot (entropy 0.23) and the loss stalled (3.484)."""
 
     def trained(**options) -> tuple[float, float]:
         model = scratch_model("llama", "full", **options)
@@ -870,7 +898,9 @@ def test_ablations_convert_to_what_the_source_computes(ablation, family):
         expected = source(ids).logits
         converted = convert_to_attnres(source, mode=mode, options=options)
         logits = converted(ids).logits
-    assert converted.config.depth_layout() == {"attnres_mode": mode, **options} | (
+    layout = converted.config.depth_layout()
+    layout.pop(NAMING_KEY, None)  # beside the projected query, whose name moved
+    assert layout == {"attnres_mode": mode, **options} | (
         {"attnres_block_size": converted.config.attnres_block_size} if mode == "block" else {}
     )
     assert (logits - expected).abs().max().item() <= 1e-5  # as Block and Full AttnRes
@@ -936,4 +966,4 @@ def test_the_command_line_converts_and_trains_the_ablations(tmp_path):
     code, _, stderr = run_cli(*command, *options, *run)
     assert code == 0, stderr
     saved = json.loads((tmp_path / "run" / "config.json").read_text())["attnres_saved_layout"]
-    assert saved == {"attnres_mode": "full", "attnres_query": "projected", "attnres_window": 2}
+    assert saved == {"attnres_mode": "full", "attnres_query": "projected", "attnres_window": 2, NAMING_KEY: NAMING}
