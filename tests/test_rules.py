@@ -435,11 +435,14 @@ def test_rezero_starts_as_the_identity_with_no_norm_on_the_stream(family):
         assert torch.equal(prenorm(ids).last_hidden_state, prenorm.norm(prenorm.embed_tokens(ids)))
 
 
-def rezero_layer(rule_name: str, attention, mlp, scales: tuple[float, float], x: torch.Tensor, norm) -> torch.Tensor:
-    """One decoder layer of sublayers `attention` and `mlp` [B,T,d] -> [B,T,d], its stream as the rule reads and
-    writes it, with the attention's and the MLP's scales."""
+def scaled_layer(rule_name: str, attention, mlp, scales: tuple[torch.Tensor, ...], x: torch.Tensor, norm):
+    """One decoder layer of sublayers `attention` and `mlp` [B,T,d] -> [B,T,d], its stream as the rule (ReZero's or
+    LayerScale's) reads and writes it, with the attention's and the MLP's scales ([1] or [d])."""
     rule = DEPTH_RULES[rule_name]
-    heads = [(ResidualScale((1,), scale),) for scale in scales]
+    heads = [(ResidualScale(tuple(scale.shape), 0.0),) for scale in scales]
+    with torch.no_grad():
+        for (module,), scale in zip(heads, scales, strict=True):
+            module.weight.copy_(scale)
     depth = DepthState((), x.new_zeros(*x.shape[:-1], 0), x)
     policy = depth_mix_policy(scratch_model("llama", rule_name, num_layers=1).config)
     for sublayer, head in zip((attention, mlp), heads, strict=True):
@@ -470,12 +473,31 @@ def test_rezero_computes_the_authors_rezero_transformer_layer():
     rms_norm = torch.nn.RMSNorm(64, eps=1e-6)
     with torch.no_grad():
         expected = theirs(x.transpose(0, 1)).transpose(0, 1)
-        ours = rezero_layer("rezero", attention, mlp, (0.7, 0.7), x, norm=rms_norm)
-        unequal = rezero_layer("rezero", attention, mlp, (0.7, 0.3), x, norm=rms_norm)
-        on_prenorm = rezero_layer("rezero_prenorm", attention, mlp, (0.7, 0.7), x, norm=rms_norm)
+        same, other = torch.tensor([0.7]), torch.tensor([0.3])
+        ours = scaled_layer("rezero", attention, mlp, (same, same), x, norm=rms_norm)
+        unequal = scaled_layer("rezero", attention, mlp, (same, other), x, norm=rms_norm)
+        on_prenorm = scaled_layer("rezero_prenorm", attention, mlp, (same, same), x, norm=rms_norm)
     differences = [(other - expected).abs().max().item() for other in (ours, unequal, on_prenorm)]
     print("ReZero against the authors' layer: equal scales, unequal, on PreNorm:", differences)
     assert differences[0] <= 1e-6 and min(differences[1:]) > 0.05
+
+
+def test_layerscale_computes_cait_s_equations():
+    """CaiT (Touvron et al. 2021, Eq. 4): x'_l = x_l + diag(λ_l,1) × SA(η(x_l)), x_l+1 = x'_l + diag(λ_l,2) ×
+    FFN(η(x'_l)), η the layer's norm and λ a learned vector per sublayer, written here line by line (timm's
+    `LayerScale`, x * gamma, is the diag(λ) alone; timm is no test dependency: it needs torchvision)."""
+    torch.manual_seed(0)
+    attention = torch.nn.Linear(64, 64)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64))
+    norm = torch.nn.RMSNorm(64, eps=1e-6)
+    lambda_1, lambda_2, x = torch.rand(64), torch.rand(64), torch.randn(2, 5, 64)
+    with torch.no_grad():
+        x_prime = x + attention(norm(x)) @ torch.diag(lambda_1)  # diag(λ) × y, per token
+        expected = x_prime + mlp(norm(x_prime)) @ torch.diag(lambda_2)
+        ours = scaled_layer("layerscale", attention, mlp, (lambda_1, lambda_2), x, norm)
+    difference = (ours - expected).abs().max().item()
+    print(f"LayerScale against CaiT's equations: {difference:.2g}")
+    assert difference <= 1e-6
 
 
 @pytest.mark.parametrize("num_streams", [2, 3, 4])
