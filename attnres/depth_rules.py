@@ -446,6 +446,7 @@ class DepthRule:
 
     parts: tuple[str, ...] = ()
     mixes_sources = False  # whether reads weigh sources, the output aggregation's too (which then has a head)
+    reads_norms = True  # whether it reads through the sublayers' input norms and the final norm
 
     @property
     def all_parts(self) -> tuple[str, ...]:
@@ -587,7 +588,10 @@ class NormFreeScaledOutputRule(ScaledOutputRule):
     """ReZero as published (Bachlechner et al. 2020, "ReZero is All You Need", Eq. 2): x_{i+1} = x_i + a_i F(x_i),
     with no normalisation layer: each sublayer reads the raw stream, h <- h + a f(h), and the model's output is the
     stream itself, without the final norm. The norms inside a sublayer (QK-norm, the output norms of Gemma and OLMo-2)
-    are the sublayer's own and stay."""
+    are the sublayer's own and stay. The input norms and the final norm stay in the model, unread and frozen (a
+    data-parallel step would otherwise wait for their gradients), so that its checkpoint keeps the family's layout."""
+
+    reads_norms = False
 
     def read(self, depth, head, norm, scores, policy):
         return depth.partial_sum, None

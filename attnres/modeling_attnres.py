@@ -436,6 +436,11 @@ class AttnResModel(AttnResPreTrainedModel):
         # The final norm under the source's name (`norm`; LFM2: `embedding_norm`)
         final_norm = family_class(family, "RMSNorm")(hidden_size, eps=getattr(text_config, family.norm_eps_key))
         self.add_module(family.final_norm, final_norm)
+        if not self.rule.reads_norms:  # ReZero without norms: the family's norms stay, unread, and need no gradient
+            input_norms = (family.attention_input_norm, family.mlp_input_norm)
+            unread = [getattr(layer, name) for layer in self.layers for name in input_norms if name is not None]
+            for norm in (final_norm, *unread):
+                norm.requires_grad_(False)
         self.rotary_emb = (
             family_class(family, "RotaryEmbedding")(config=text_config) if uses_rope(family, text_config) else None
         )

@@ -435,6 +435,20 @@ def test_rezero_starts_as_the_identity_with_no_norm_on_the_stream(family):
         assert torch.equal(prenorm(ids).last_hidden_state, prenorm.norm(prenorm.embed_tokens(ids)))
 
 
+def test_rezero_freezes_the_norms_it_never_reads_and_trains_every_other_parameter():
+    """The family's input norms and final norm stay in a ReZero model (its checkpoint keeps the family's layout) but
+    are never read: frozen, so that data-parallel training waits for no gradient of theirs, while every parameter it
+    trains gets one."""
+    model = scratch_model("llama", "rezero")
+    ids = random_ids()
+    model(ids, labels=ids).loss.backward()
+    frozen = {name for name, parameter in model.named_parameters() if not parameter.requires_grad}
+    norms = ("input_layernorm", "post_attention_layernorm")
+    assert frozen == {"model.norm.weight"} | {f"model.layers.{i}.{norm}.weight" for i in range(4) for norm in norms}
+    assert all(parameter.grad is not None for parameter in model.parameters() if parameter.requires_grad)
+    assert all(parameter.requires_grad for parameter in scratch_model("llama", "rezero_prenorm").parameters())
+
+
 def scaled_layer(rule_name: str, attention, mlp, scales: tuple[torch.Tensor, ...], x: torch.Tensor, norm):
     """One decoder layer of sublayers `attention` and `mlp` [B,T,d] -> [B,T,d], its stream as the rule (ReZero's or
     LayerScale's) reads and writes it, with the attention's and the MLP's scales ([1] or [d])."""
@@ -837,13 +851,14 @@ def test_rules_and_ablations_compile_whole(name, compiled_mix, one_thread):
     exact_output = exact_model(ids, labels=ids)
     exact_output.loss.backward()
     exact_logits = exact_output.logits.detach()
-    exact_gradients = {name: p.grad for name, p in exact_model.named_parameters()}
+    exact_gradients = {name: p.grad for name, p in exact_model.named_parameters() if p.requires_grad}
     results = []
     for forward in (model, torch.compile(model, fullgraph=True)):
         model.zero_grad()
         output = forward(ids, labels=ids)
         output.loss.backward()
-        results.append((output.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+        gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+        results.append((output.logits.detach(), gradients))
     (eager_logits, eager_gradients), (compiled_logits, compiled_gradients) = results
 
     def error(value: torch.Tensor, exact: torch.Tensor) -> float:
