@@ -21,6 +21,9 @@ from .rules import (
     ATTNRES_OPTIONS,
     DEFAULT_NUM_STREAMS,
     MAX_PERMUTATION_STREAMS,
+    MOVED_NAMES,
+    NAMING,
+    NAMING_KEY,
     OPTION_MODES,
     RULE_OPTIONS,
     RULES,
@@ -76,7 +79,7 @@ FLA_SETTINGS = {
 # memory (1000 streams on SmolLM2-135M would need 4e12 parameters)
 MAX_STREAM_PARAMETERS_RATIO = 4
 # The keys of `attnres_saved_layout` (`AttnResConfig.depth_layout`)
-LAYOUT_KEYS = ("attnres_mode", "attnres_block_size", *RULE_OPTIONS)
+LAYOUT_KEYS = ("attnres_mode", "attnres_block_size", *RULE_OPTIONS, NAMING_KEY)
 
 
 def _is_integer(value: object) -> bool:
@@ -140,10 +143,23 @@ def _check_family(text_config: PreTrainedConfig) -> None:
         )
 
 
-def _with_options_saved_before(saved: dict | None) -> dict | None:
-    """A saved layout with the options its rule gained since it was saved, at the value its weights hold
-    (`RuleOption.saved_before`: Highway's gate was a scalar per token before it had the option)."""
-    rule = RULES.get(saved.get("attnres_mode")) if saved is not None else None
+def _names_saved_before(saved: dict | None) -> dict:
+    """The names a saved layout gives that have moved to other forms since it was saved (`MOVED_NAMES`), with the
+    names of the forms its weights compute: {layout key: (name saved, name now)}; none in a layout of `NAMING`."""
+    if not isinstance(saved, dict) or NAMING_KEY in saved:
+        return {}
+    return {key: (saved[key], moved[saved[key]]) for key, moved in MOVED_NAMES.items() if saved.get(key) in moved}
+
+
+def _as_named_now(saved: dict | None) -> dict | None:
+    """A saved layout in today's names (`_names_saved_before`), with the options its rule gained since it was saved
+    at the value its weights hold (`RuleOption.saved_before`: Highway's gate was a scalar per token before it had the
+    option)."""
+    if saved is None:
+        return None
+    renamed = {key: now for key, (_, now) in _names_saved_before(saved).items()}
+    saved = {key: value for key, value in saved.items() if key != NAMING_KEY} | renamed
+    rule = RULES.get(saved.get("attnres_mode"))
     if rule is None:
         return saved
     options = {name: RULE_OPTIONS[name].saved_before for name in rule.options}
@@ -161,16 +177,20 @@ class AttnResConfig(PreTrainedConfig):
             the sums of the completed blocks and the partial sum of the current block. `"full"`: each sublayer attends
             over the embedding and every earlier sublayer output. The others are the rules the paper compares AttnRes
             with: `"prenorm"` (the source's own residual stream), `"postnorm"` (the stream normalised after each
-            sublayer, by that sublayer's input norm), `"rezero"` and `"layerscale"` (each sublayer output scaled by a
-            learned scalar or per-channel vector), `"highway"` (a per-channel gate g = sigmoid(W h/rms(h) + b)
-            between the stream and the output, h <- (1 - g) h + g f; see `attnres_highway_gate`), `"denseformer"`
-            (each sublayer input a learned weighted sum of the embedding and every earlier output, weights 1 at
-            init). `"mhc"`: manifold-constrained hyper-connections (DeepSeek,
-            arXiv 2512.24880): `attnres_num_streams` residual streams, each sublayer reading a learned mix of them and
-            writing its output into each with its own weight, the streams mixed by a per-token doubly stochastic
-            matrix (Sinkhorn-Knopp); it starts as the plain residual stream. `"mhc_lite"`: mHC with that matrix
-            a per-token convex combination of the m! permutation matrices (arXiv 2601.05732), doubly stochastic
-            exactly, without Sinkhorn-Knopp.
+            sublayer, by that sublayer's input norm), `"rezero"` (each sublayer output scaled by a learned scalar, 0
+            at init, with no norm on the stream: ReZero as published), `"rezero_prenorm"` and `"layerscale"` (each
+            sublayer output scaled by a learned scalar or per-channel vector, the sublayer reading norm(h)),
+            `"highway"` (a per-channel gate g = sigmoid(W h/rms(h) + b) between the stream and the output, h <- (1 -
+            g) h + g f; see `attnres_highway_gate`), `"denseformer"` (DenseFormer as published: after each decoder
+            layer the stream becomes a learned weighted average of the embedding and every layer output so far, 1 on
+            the newest and 0 on the others at init; see `attnres_dwa_dilation` and `attnres_dwa_period`),
+            `"denseformer_sublayers"` (each sublayer input a learned weighted sum of the embedding and every earlier
+            sublayer output, weights 1 at init: the Kimi paper's view of DenseFormer). `"mhc"`: manifold-constrained
+            hyper-connections (DeepSeek, arXiv 2512.24880): `attnres_num_streams` residual streams, each sublayer
+            reading a learned mix of them and writing its output into each with its own weight, the streams mixed
+            by a per-token doubly stochastic matrix (Sinkhorn-Knopp); it starts as the plain residual stream.
+            `"mhc_lite"`: mHC with that matrix a per-token convex combination of the m! permutation matrices (arXiv
+            2601.05732), doubly stochastic exactly, without Sinkhorn-Knopp.
         attnres_block_size (`int`, *optional*):
             Decoder layers per block for `"block"` mode (the paper's `block_size` counts sublayers: it is twice this,
             or this where the family's layers have one residual branch, attention and MLP in parallel).
@@ -193,9 +213,9 @@ class AttnResConfig(PreTrainedConfig):
             exactly, so converted checkpoints reproduce their source bit for bit up to float rounding. Converted models
             turn it on; models trained from scratch can stay paper-literal (`False`).
         attnres_scale_init (`float`, *optional*):
-            The initial value of the `"rezero"` scalars and `"layerscale"` vectors. Defaults to each rule's published
-            initialisation for training from scratch: 0 for ReZero; for LayerScale, CaiT's 0.1 up to 18 layers, 1e-5 up
-            to 24, 1e-6 beyond. Conversion sets 1, the plain stream.
+            The initial value of the `"rezero"` and `"rezero_prenorm"` scalars and `"layerscale"` vectors. Defaults
+            to each rule's published initialisation for training from scratch: 0 for ReZero; for LayerScale, CaiT's
+            0.1 up to 18 layers, 1e-5 up to 24, 1e-6 beyond. Conversion sets 1, the plain stream.
         attnres_recompute (`bool`, defaults to `False`):
             The depth mix never keeps its intermediates for the backward pass (it recomputes them); with this on, it
             does not keep its output either, and recomputes the sublayer's input norm with it, so that a layer keeps
@@ -222,12 +242,20 @@ class AttnResConfig(PreTrainedConfig):
             hidden_size x hidden_size matrix (zero at init) and b a vector (-1 at init) per sublayer, as Highway
             Networks gate. `"token"`: one scalar gate per token, g = sigmoid(w . h/rms(h) + b), w a vector and b a
             scalar. An option of `"highway"` only; saved with the weights, since the two hold different parameters.
+        attnres_dwa_dilation (`int`, defaults to 1):
+            `"denseformer"`: each layer's average weighs every k-th block output back from its own (DenseFormer's
+            dilation; 1: all of them), at most num_hidden_layers.
+        attnres_dwa_period (`int`, defaults to 1):
+            `"denseformer"`: an average after every P-th decoder layer only (DenseFormer's DWA period; 1: after
+            each), at most num_hidden_layers.
         attnres_query (`str`, defaults to `"pseudo"`):
             Block and Full AttnRes: what scores the sources. `"pseudo"`: the paper's learned pseudo-query w.
-            `"projected"` (ablation): an input-dependent query w + W RMSNorm(v) / hidden_size per token, v the latest
-            source, W a hidden_size x hidden_size matrix per sublayer, zero at init (the 1/hidden_size keeps its
-            logits moving at the pseudo-query's pace under Adam). `"scalars"` (ablation, input-independent
-            mixing): a learned logit per source replaces query and key, zero at init.
+            `"projected"` (ablation): an input-dependent query w + W RMSNorm(v) / hidden_size per token, v the hidden
+            state (the sum of the sources: the embedding and every earlier output), W a hidden_size x hidden_size
+            matrix per sublayer, zero at init (the 1/hidden_size keeps its logits moving at the pseudo-query's pace
+            under Adam). `"projected_latest"`: the same, v the latest source (the previous sublayer's output in
+            Full mode), as `"projected"` was until the hidden state took the name. `"scalars"` (ablation,
+            input-independent mixing): a learned logit per source replaces query and key, zero at init.
         attnres_score (`str`, defaults to `"softmax"`):
             Block and Full AttnRes: `"softmax"` over the sources, or `"sigmoid"` (ablation) of each logit, not
             renormalised.
@@ -261,6 +289,8 @@ class AttnResConfig(PreTrainedConfig):
     attnres_compiled_mix: str = "inline"
     attnres_num_streams: int = DEFAULT_NUM_STREAMS
     attnres_highway_gate: str = "channel"
+    attnres_dwa_dilation: int = 1
+    attnres_dwa_period: int = 1
     attnres_query: str = "pseudo"
     attnres_score: str = "softmax"
     attnres_key_norm: bool = True
@@ -274,6 +304,7 @@ class AttnResConfig(PreTrainedConfig):
         _check_family(self.text_config)
         # The flag lives in the text config of the source; the tying machinery reads it from the top-level config.
         self.tie_word_embeddings = self.tie_word_embeddings or self.text_config.tie_word_embeddings
+        self._take_names_saved_before()
         self.check_attnres()
         self._check_saved_layout()
 
@@ -416,6 +447,13 @@ class AttnResConfig(PreTrainedConfig):
             if not valid or isinstance(value, bool) != isinstance(option.default, bool):
                 expected = f"one of {option.choices}" if option.choices else "a positive integer"
                 raise AttnResConfigError(f"{name}: got {value!r}, expected {expected}.")
+        num_layers = self.text_config.num_hidden_layers
+        for name in ("attnres_dwa_dilation", "attnres_dwa_period"):
+            if getattr(self, name) > num_layers:
+                raise AttnResConfigError(
+                    f"{name}: got {getattr(self, name)}, over num_hidden_layers={num_layers}: no decoder layer would "
+                    "average what it sets; pick at most the number of layers."
+                )
         hidden_size = self.text_config.hidden_size
         if hidden_size % self.attnres_depth_heads:
             raise AttnResConfigError(
@@ -438,14 +476,26 @@ class AttnResConfig(PreTrainedConfig):
             layout["attnres_block_size"] = self.attnres_block_size
         layout |= {name: getattr(self, name) for name in rule.options if not RULE_OPTIONS[name].ablation}
         # Only those set: a layout saved before the options existed is the same layout
-        return layout | {name: getattr(self, name) for name in self.ablated_options()}
+        layout |= {name: getattr(self, name) for name in self.ablated_options()}
+        if any(layout.get(key) in moved for key, moved in MOVED_NAMES.items()):
+            layout[NAMING_KEY] = NAMING  # a name that meant another form before: it means this one
+        return layout
 
     def ablated_options(self) -> tuple[str, ...]:
         """The ablation options set away from the paper's AttnRes."""
         return tuple(name for name, option in ATTNRES_OPTIONS.items() if getattr(self, name) != option.default)
 
+    def _take_names_saved_before(self) -> None:
+        """A config.json saved before a name it holds moved to another form (`MOVED_NAMES`): the settings that hold
+        the name as saved take the name of the form its weights compute (a ReZero model of before `NAMING` is
+        "rezero_prenorm"), so that it loads and computes what it computed."""
+        for key, (saved, now) in _names_saved_before(self.attnres_saved_layout).items():
+            if getattr(self, key) == saved:
+                setattr(self, key, now)
+
     def _check_saved_layout(self) -> None:
-        saved, layout = _with_options_saved_before(self.attnres_saved_layout), self.depth_layout()
+        saved = _as_named_now(self.attnres_saved_layout)
+        layout = {key: value for key, value in self.depth_layout().items() if key != NAMING_KEY}
         self.attnres_saved_layout = None  # `to_dict` writes the layout the config has when it is saved
         if saved is None or saved == layout:
             return

@@ -140,7 +140,7 @@ def score_completed_blocks(depth: DepthState, options: DepthAttention, *heads: t
     device = depth.completed_inv_rms.device
     queries = torch.cat(
         [
-            folded_queries(sublayer_query(depth, learned, options.eps), learned.key_gain, options.heads)
+            folded_queries(sublayer_query(depth, learned, options), learned.key_gain, options.heads)
             for learned in (learned_parameters(head, options, device) for head in heads)
         ]
     )  # [q*H,d]
@@ -325,10 +325,10 @@ def depth_attention(
         return (input_norm(mixed) if policy.recompute else mixed), weights
 
     depth_inputs = (depth.partial_sum, depth.completed_inv_rms, *depth.completed_blocks)
-    # The reference stacks the sources and the projected query normalises the latest one, both making copies; the two
+    # The reference stacks the sources and the projected query normalises its hidden state, both making copies; the two
     # phases make them where `reads_copies` says; fla's kernel reads the sources where they lie
     in_place = policy.backend == "fla" or (
-        policy.backend == "two_phase" and options.query != "projected" and not reads_copies(depth.sources())
+        policy.backend == "two_phase" and not options.projects_query and not reads_copies(depth.sources())
     )
     keeps_copies = policy.recompute or not in_place
     sublayer_input, weights = recomputed(mix, learned, block_logits, *depth_inputs, keeps_copies=keeps_copies)

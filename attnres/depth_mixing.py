@@ -32,7 +32,8 @@ SCORES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[int], 
     "softmax": (partial(torch.softmax, dim=-2), lambda num_sources: num_sources),
     "sigmoid": (torch.sigmoid, lambda num_sources: 2),  # not renormalised: each source weighs on its own
 }
-QUERIES = ("pseudo", "projected", "scalars")
+QUERIES = ("pseudo", "projected", "projected_latest", "scalars")
+PROJECTED_QUERIES = ("projected", "projected_latest")
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,9 @@ class DepthAttention:
     field each. The defaults are the paper's AttnRes."""
 
     eps: float  # of the keys' RMSNorm, and of the RMSNorm before a query projection
-    query: str = "pseudo"  # "pseudo": w; "projected": w + W RMSNorm(latest source); "scalars": a logit per source
+    # "pseudo": w; "projected": w + W RMSNorm(sum of the sources); "projected_latest": w + W RMSNorm(latest source);
+    # "scalars": a logit per source
+    query: str = "pseudo"
     score: str = "softmax"  # or "sigmoid" (a key of SCORES)
     key_norm: bool = True  # False: the keys are the raw sources
     heads: int = 1  # channel groups, each with its own weights over depth
@@ -63,7 +66,12 @@ class DepthAttention:
         """The modules of one sublayer's head (see `DepthRule.parts`)."""
         if self.query == "scalars":
             return ("logits",)
-        return ("proj",) + ("query_proj",) * (self.query == "projected") + ("norm",) * self.key_norm
+        return ("proj",) + ("query_proj",) * self.projects_query + ("norm",) * self.key_norm
+
+    @property
+    def projects_query(self) -> bool:
+        """Whether the query is projected per token from what the sublayer reads."""
+        return self.query in PROJECTED_QUERIES
 
     @property
     def shares_phase_one(self) -> bool:
@@ -159,15 +167,29 @@ class DepthState(NamedTuple):
         return DepthState(blocks, inv_rms, self.partial_sum)
 
 
-def sublayer_query(depth: DepthState, learned: DepthParameters, eps: float) -> torch.Tensor:
-    """The query: w [1,d], or, with a projection, w + W RMSNorm(v) / d per token [B,T,1,d] from the latest source v
-    (1/d: see `AttnResQueryProjection`). fp32"""
+def sublayer_query(depth: DepthState, learned: DepthParameters, options: DepthAttention) -> torch.Tensor:
+    """The query: w [1,d], or, with a projection, w + W RMSNorm(v) / d per token [B,T,1,d] (1/d: see
+    `AttnResQueryProjection`), v the hidden state (`projected_input`). fp32"""
     query = upcast(learned.pseudo_query)
     if learned.query_projection is None:
         return query
-    latest = depth.sources()[-1]  # [B,T,d]
-    normalized = upcast(latest) * inverse_rms(latest, eps).unsqueeze(-1)
-    return (query + normalized @ upcast(learned.query_projection).T / latest.shape[-1]).unsqueeze(-2)
+    hidden = projected_input(depth, options.query)  # [B,T,d]
+    normalized = upcast(hidden) * inverse_rms(hidden, options.eps).unsqueeze(-1)
+    return (query + normalized @ upcast(learned.query_projection).T / hidden.shape[-1]).unsqueeze(-2)
+
+
+def projected_input(depth: DepthState, query: str) -> torch.Tensor:
+    """What a projected query reads: "projected", the hidden state, the sum of the sources in fp32 (the embedding and
+    every earlier output: the stream of the standard residual, and with zero queries the sublayer's input up to its
+    scale, which the RMSNorm removes; with a window, the sum of the sources in it); "projected_latest", the latest
+    source (Full: the previous sublayer's output), as the ablation read until naming 2. [B,T,d]"""
+    sources = depth.sources()
+    if query == "projected_latest":
+        return sources[-1]
+    hidden = upcast(sources[0])
+    for source in sources[1:]:
+        hidden = hidden + source
+    return hidden
 
 
 def mean_over_groups(weights: torch.Tensor) -> torch.Tensor:
@@ -196,7 +218,7 @@ def depth_mix_reference(
         else:
             keys = values * inverse_rms(sources, options.eps).unsqueeze(-1) * upcast(learned.key_gain) \
                 if options.key_norm else values  # fmt: skip
-            products = keys * sublayer_query(depth, learned, options.eps)  # [B,T,S,d]
+            products = keys * sublayer_query(depth, learned, options)  # [B,T,S,d]
             logits = group_sums(products, options.heads)  # [B,T,S,H]; no 1/sqrt(d)
         weights = weigh(logits)  # [B,T,S,H]
         value_weights = weights * exact_start_scale(sources.shape[-2]) if scale_by_num_sources else weights
@@ -323,7 +345,7 @@ def depth_mix_two_phase(
                 upcast(learned.source_logits).unsqueeze(-1).expand(*depth.completed_inv_rms.shape[:-1], num_sources, 1)
             )
         else:
-            queries = folded_queries(sublayer_query(depth, learned, options.eps), learned.key_gain, options.heads)
+            queries = folded_queries(sublayer_query(depth, learned, options), learned.key_gain, options.heads)
             inv_rms = depth.completed_inv_rms if options.key_norm else None
             logits = block_logits
             if logits is None:

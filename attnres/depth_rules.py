@@ -51,8 +51,8 @@ class AttnResPseudoQuery(RuleModule):
 
 class AttnResQueryProjection(RuleModule):
     """The input-dependent query's projection W [d,d] of one sublayer (ablation `query="projected"`): the query is
-    w + W RMSNorm(v) / d, v the latest source. Zero at init, so the query starts as the pseudo-query w. Not an
-    `nn.Linear`, for the reason `AttnResPseudoQuery` gives.
+    w + W RMSNorm(v) / d, v the hidden state (depth_mixing.py's `projected_input`). Zero at init, so the query
+    starts as the pseudo-query w. Not an `nn.Linear`, for the reason `AttnResPseudoQuery` gives.
 
     Why 1/d: the logit RMSNorm(v)ᵀ Wᵀ k̂ is a bilinear form of two vectors of norm ~sqrt(d), so under Adam (every
     entry of W moving at the learning rate) it moves ~d times faster than wᵀ k̂. Unscaled, the depth softmax turns
@@ -172,8 +172,8 @@ def token_gate(stream: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, e
 
 
 class SourceWeights(RuleModule):
-    """DenseFormer's learned static weights of one sublayer over its sources (embedding, then every earlier output),
-    all 1 at init: the plain residual sum."""
+    """DenseFormer per sublayer: the learned static weights of one sublayer over its sources (embedding, then every
+    earlier output), all 1 at init: the plain residual sum."""
 
     def __init__(self, num_sources: int):
         super().__init__()
@@ -183,6 +183,36 @@ class SourceWeights(RuleModule):
         init.ones_(self.weight)
 
     def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+class DepthWeightedAverage(RuleModule):
+    """DenseFormer's depth-weighted average (DWA) after one decoder layer (Pagliardini et al. 2024, "DenseFormer:
+    Enhancing Information Flow in Transformers via Depth Weighted Averaging", Eq. 1; dilation and period as the
+    authors' DWAModules, github.com/epfml/DenseFormer): learned static weights over the block outputs X_0 (the
+    embedding) .. X_j (j = `output_index`, the layer's own output), every `dilation`-th back from X_j. X_j's weight is
+    1 and the others 0 at init, so the average starts as the plain stream. A layer that does not average (the period)
+    has the module without weights: the rule keeps its output all the same, for the later averages."""
+
+    def __init__(self, output_index: int, dilation: int, averages: bool):
+        super().__init__()
+        self.output_index, self.dilation = output_index, dilation
+        self.weight = nn.Parameter(self.initial_weights()) if averages else None
+
+    def initial_weights(self) -> torch.Tensor:
+        weights = torch.zeros(self.output_index // self.dilation + 1)
+        weights[-1] = 1.0
+        return weights
+
+    def init_weights(self, init) -> None:
+        if self.weight is not None:
+            init.copy_(self.weight, self.initial_weights())
+
+    def averaged(self, outputs: tuple) -> tuple:
+        """Of the block outputs X_0 .. X_j, those it weighs, oldest first: every `dilation`-th back from X_j."""
+        return outputs[self.output_index % self.dilation :: self.dilation]
+
+    def forward(self) -> torch.Tensor | None:
         return self.weight
 
 
@@ -416,6 +446,7 @@ class DepthRule:
 
     parts: tuple[str, ...] = ()
     mixes_sources = False  # whether reads weigh sources, the output aggregation's too (which then has a head)
+    reads_norms = True  # whether it reads through the sublayers' input norms and the final norm
 
     @property
     def all_parts(self) -> tuple[str, ...]:
@@ -522,8 +553,8 @@ class PostNormRule(DepthRule):
 
 
 class ScaledOutputRule(DepthRule):
-    """h <- h + s * f(norm(h)): ReZero (s a scalar) or LayerScale (s a vector [d]), s = `attnres_scale_init` at init,
-    else the rule's published value."""
+    """h <- h + s * f(norm(h)): ReZero on PreNorm (s a scalar) or LayerScale (s a vector [d]), s =
+    `attnres_scale_init` at init, else the rule's published value."""
 
     parts = ("scale",)
 
@@ -551,6 +582,22 @@ class ScaledOutputRule(DepthRule):
             return plain_coefficients(stream)
         (scale,) = head
         return plain_coefficients(stream, write=scale().detach().float().mean())
+
+
+class NormFreeScaledOutputRule(ScaledOutputRule):
+    """ReZero as published (Bachlechner et al. 2020, "ReZero is All You Need", Eq. 2): x_{i+1} = x_i + a_i F(x_i),
+    with no normalisation layer: each sublayer reads the raw stream, h <- h + a f(h), and the model's output is the
+    stream itself, without the final norm. The norms inside a sublayer (QK-norm, the output norms of Gemma and OLMo-2)
+    are the sublayer's own and stay. The input norms and the final norm stay in the model, unread and frozen (a
+    data-parallel step would otherwise wait for their gradients), so that its checkpoint keeps the family's layout."""
+
+    reads_norms = False
+
+    def read(self, depth, head, norm, scores, policy):
+        return depth.partial_sum, None
+
+    def finish(self, depth, head, final_norm, policy):
+        return depth.partial_sum, None
 
 
 class HighwayRule(DepthRule):
@@ -586,8 +633,9 @@ class HighwayRule(DepthRule):
 
 
 class DenseFormerRule(DepthRule):
-    """Each sublayer's input is norm(sum_i a_i v_i) over the embedding and every earlier output v_i, with learned
-    static weights a (all 1 at init, which is the plain stream)."""
+    """DenseFormer per sublayer, as the Kimi paper's Table 5 writes it: each sublayer's input is norm(sum_i a_i v_i)
+    over the embedding and every earlier sublayer output v_i, with learned static weights a (all 1 at init, which is
+    the plain stream)."""
 
     parts = ("weights",)
     mixes_sources = True
@@ -604,6 +652,69 @@ class DenseFormerRule(DepthRule):
         for index in range(1, len(sources)):  # in the order the stream sums them: exact at weights 1
             mixed = mixed + sources[index] * weights[index]
         return norm(mixed), weights.float().expand(*mixed.shape[:-1], -1)
+
+
+class DepthWeightedAverageRule(DepthRule):
+    """DenseFormer as published: each decoder layer (its block) runs on the stream as PreNorm does, h <- h +
+    f(norm(h)) per sublayer, and after it the stream becomes the depth-weighted average of the block outputs so far
+    (its MLP's `DepthWeightedAverage`): X_0 the embedding, X_j the stream after layer j's MLP, Y_j = sum_i a_ji X_i,
+    which layer j + 1 reads and the final norm reads after the last layer. The depth state keeps X_0 .. X_j as its
+    completed blocks (with no inverse RMS: nothing scores them) and the stream as its partial sum."""
+
+    parts = ("average",)
+
+    def __init__(self, num_layers: int = 0):
+        self.num_layers = num_layers
+
+    def configured(self, config) -> "DepthWeightedAverageRule":
+        return DepthWeightedAverageRule(config.text_config.num_hidden_layers)
+
+    def heads(self, config, sources, sublayer):
+        if sublayer % 2 == 0:
+            return {}  # an attention sublayer: inside its block
+        output_index = sublayer // 2 + 1
+        averages = output_index % config.attnres_dwa_period == 0
+        return {"average": DepthWeightedAverage(output_index, config.attnres_dwa_dilation, averages)}
+
+    def write(self, depth, output, head, norm):
+        outputs = depth.completed_blocks or (depth.partial_sum,)  # X_0, the embedding, kept at the first write
+        stream = depth.add(output).partial_sum
+        if head:  # an MLP: its block ends with X_j, then the average
+            (average,) = head
+            outputs += (stream,)
+            if average.weight is not None:
+                stream = weighted_average(average.averaged(outputs), average().to(stream))
+        return DepthState(outputs, depth.completed_inv_rms, stream)
+
+    def coefficients(self, stream, head):
+        """As a recurrence on L + 2 streams: the running stream, then X_0 .. X_L, each the embedding at the start
+        (X_0 stays so). An MLP's step keeps the stream it read in X_j's stream and adds its output there; its
+        average, of X_j = h + y among the others, is a_jj h + sum a_ji X_i in the carry and a_jj y in the write."""
+        size = self.num_layers + 2
+        carry, write = torch.eye(size), torch.zeros(size)
+        write[0] = 1.0
+        if head:
+            (average,) = head
+            output_index = average.output_index
+            carry[1 + output_index], write[1 + output_index] = carry[0], 1.0
+            if average.weight is not None:
+                weights = average().detach().float().cpu()
+                kept = range(output_index % average.dilation, output_index, average.dilation)  # all but X_j
+                carry[0] = 0.0
+                carry[0, [1 + index for index in kept]] = weights[:-1]
+                carry[0, 0] = write[0] = weights[-1]
+        ones = stream.new_ones(*stream.shape[:-1], 1, dtype=torch.float32)
+        read, carry, write = (coefficient.to(stream.device) for coefficient in (torch.eye(size)[0], carry, write))
+        return StreamCoefficients(ones * read, ones.unsqueeze(-1) * carry, ones * write)
+
+
+def weighted_average(sources: tuple[torch.Tensor, ...], weights: torch.Tensor) -> torch.Tensor:
+    """sum_i weights_i sources_i, newest first: at DenseFormer's init (1 on the newest, 0 on the others) the newest
+    itself, bit for bit."""
+    mixed = sources[-1] * weights[-1]
+    for source, weight in zip(sources[:-1], weights[:-1], strict=True):
+        mixed = mixed + source * weight
+    return mixed
 
 
 class HyperConnectionRule(DepthRule):
@@ -671,10 +782,12 @@ DEPTH_RULES = {
     "full": AttnResRule(),
     "prenorm": DepthRule(),
     "postnorm": PostNormRule(),
-    "rezero": ScaledOutputRule(per_channel=False),
+    "rezero": NormFreeScaledOutputRule(per_channel=False),
+    "rezero_prenorm": ScaledOutputRule(per_channel=False),
     "layerscale": ScaledOutputRule(per_channel=True),
     "highway": HighwayRule(),
-    "denseformer": DenseFormerRule(),
+    "denseformer": DepthWeightedAverageRule(),
+    "denseformer_sublayers": DenseFormerRule(),
     "mhc": HyperConnectionRule(),
     "mhc_lite": PermutationMixRule(),
 }

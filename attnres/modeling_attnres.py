@@ -238,11 +238,15 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         # The norm each sublayer's depth mix is read through (the rule applies it; PostNorm writes with it): its
         # input norm; in a one-branch layer the norm its attention and MLP share, or none where each has its own (GPT-
         # NeoX), which the branch then applies to its parts
+        # A one-branch layer whose attention and MLP have a norm each applies them itself, inside the branch (unless
+        # its rule reads no norms: ReZero as published)
+        self.branch_norms = False
         if len(self.sublayers) == 2:
             self.read_norms = (self.norms.attention_input_norm, self.norms.mlp_input_norm)
         else:
             shared = self.norms.attention_input_norm == self.norms.mlp_input_norm
             self.read_norms = (self.norms.attention_input_norm if shared else None,)
+            self.branch_norms = not shared and self.rule.reads_norms
             if config.attnres_mode == "postnorm" and not shared:
                 raise AttnResConfigError(
                     "attnres_mode='postnorm' normalises the stream with the input norm of each residual branch, and "
@@ -257,7 +261,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         )  # fmt: skip
 
     def _head(self, sublayer: str) -> tuple[nn.Module, ...]:
-        return tuple(getattr(self, f"{sublayer}_res_{part}") for part in self.rule.parts)
+        # The parts the sublayer has: a rule may learn nothing for some (DenseFormer: for attention sublayers)
+        names = (f"{sublayer}_res_{part}" for part in self.rule.parts)
+        return tuple(getattr(self, name) for name in names if name in self._modules)
 
     def _norm(self, name: str | None, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states if name is None else getattr(self, name)(hidden_states)
@@ -310,11 +316,11 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         outputs = []
         if self.token_mixer is not None:
             attention_input = (
-                hidden_states if self.read_norms[0] else self._norm(self.norms.attention_input_norm, hidden_states)
+                self._norm(self.norms.attention_input_norm, hidden_states) if self.branch_norms else hidden_states
             )
             outputs.append(self._sublayer_output(0, self._mix_tokens(attention_input, *mixer_args, **kwargs)))
         if self.mlp_parts:
-            mlp_input = hidden_states if self.read_norms[0] else self._norm(self.norms.mlp_input_norm, hidden_states)
+            mlp_input = self._norm(self.norms.mlp_input_norm, hidden_states) if self.branch_norms else hidden_states
             outputs.append(self._sublayer_output(1, self._mlp(mlp_input)))
         return sum_outputs(outputs)
 
@@ -479,7 +485,17 @@ class AttnResModel(AttnResPreTrainedModel):
         final_norm_class = (
             nn.LayerNorm if family.final_norm_class is None else family_class(family, family.final_norm_class)
         )
-        self.add_module(family.final_norm, final_norm_class(hidden_size, eps=getattr(text_config, family.norm_eps_key)))
+        final_norm = final_norm_class(hidden_size, eps=getattr(text_config, family.norm_eps_key))
+        self.add_module(family.final_norm, final_norm)
+        if not self.rule.reads_norms:  # ReZero without norms: the family's norms stay, unread, and need no gradient
+            unread = [
+                getattr(layer, name)
+                for layer in self.layers
+                for name in (layer.norms.attention_input_norm, layer.norms.mlp_input_norm)
+                if name is not None
+            ]
+            for norm in (final_norm, *unread):
+                norm.requires_grad_(False)
         self.rotary_emb = (
             family_class(family, "RotaryEmbedding")(config=text_config) if uses_rope(family, text_config) else None
         )

@@ -163,6 +163,8 @@ class TrainingConfig:
     window: int | None = field(default=None, metadata=rule_option_metadata("attnres_window"))
     num_streams: int | None = field(default=None, metadata=rule_option_metadata("attnres_num_streams"))
     highway_gate: str | None = field(default=None, metadata=rule_option_metadata("attnres_highway_gate"))
+    dwa_dilation: int | None = field(default=None, metadata=rule_option_metadata("attnres_dwa_dilation"))
+    dwa_period: int | None = field(default=None, metadata=rule_option_metadata("attnres_dwa_period"))
     # Data
     dataset: str | None = field(
         default=None,

@@ -28,6 +28,8 @@ class RuleOption:
     # The value of weights saved before the option existed, whose saved layout therefore lacks it (None: the option
     # is as old as its rule, or an ablation, which a layout holds only away from its default)
     saved_before: object = None
+    # Its values that named another form before `NAMING`: {value: that form's value now}
+    moved: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,12 @@ class RuleSpec:
     """One depth-mixing rule.
 
     `sources`: what a sublayer's input is formed from: "stream", one running representation (the recurrences; mHC's m
-    streams); "blocks", the token embedding, the sums of the completed blocks and the partial sum of the current one
-    (Block AttnRes); "outputs", the embedding and every sublayer output (Full AttnRes, DenseFormer). `converts`: None
-    where the rule can start as the source's plain residual stream (which conversion needs), else why it cannot.
-    `options`: the config fields of `RULE_OPTIONS` it takes. `depth_attention`: its sublayers mix by depth attention
-    (AttnRes), whose weights training logs and whose mix may be recomputed. `learns`: it adds parameters."""
+    streams; DenseFormer's stream, which each decoder layer's depth-weighted average sets); "blocks", the token
+    embedding, the sums of the completed blocks and the partial sum of the current one (Block AttnRes); "outputs", the
+    embedding and every sublayer output (Full AttnRes, DenseFormer per sublayer). `converts`: None where the rule can
+    start as the source's plain residual stream (which conversion needs), else why it cannot. `options`: the config
+    fields of `RULE_OPTIONS` it takes. `depth_attention`: its sublayers mix by depth attention (AttnRes), whose weights
+    training logs and whose mix may be recomputed. `learns`: it adds parameters."""
 
     label: str
     sources: str
@@ -50,6 +53,8 @@ class RuleSpec:
     # Its m residual streams are mixed by a convex combination of the m! permutation matrices (mHC-lite), which
     # caps m at `MAX_PERMUTATION_STREAMS`; else, under a stream rule, by an m x m matrix of logits (mHC)
     permutation_mix: bool = False
+    # The rule that weights saved under this rule's name before it named this form compute (see `NAMING`)
+    saved_before: str | None = None
 
 
 DEFAULT_NUM_STREAMS = 4
@@ -59,10 +64,12 @@ RULE_OPTIONS = {
     "attnres_query": RuleOption(
         "query",
         "Block and Full AttnRes: what scores the sources: pseudo, the paper's learned pseudo-query (default); "
-        "projected, a query projected from the latest source per token (a d x d matrix per sublayer); scalars, a "
-        "learned logit per source in place of query and key",
+        "projected, a query projected per token from the hidden state, the sum of the sources (a d x d matrix per "
+        "sublayer); projected_latest, one projected from the latest source; scalars, a learned logit per source in "
+        "place of query and key",
         "pseudo",
-        ("pseudo", "projected", "scalars"),
+        ("pseudo", "projected", "projected_latest", "scalars"),
+        moved={"projected": "projected_latest"},  # the projected query read the latest source until naming 2
     ),
     "attnres_score": RuleOption(
         "score",
@@ -96,6 +103,20 @@ RULE_OPTIONS = {
         DEFAULT_NUM_STREAMS,
         ablation=False,
     ),
+    "attnres_dwa_dilation": RuleOption(
+        "dwa_dilation",
+        "DenseFormer: each depth-weighted average reads every k-th block output back from the newest, as the "
+        "published dilation (default: 1, all of them)",
+        1,
+        ablation=False,
+    ),
+    "attnres_dwa_period": RuleOption(
+        "dwa_period",
+        "DenseFormer: a depth-weighted average after every P-th decoder layer only, as the published DWA period "
+        "(default: 1, after each)",
+        1,
+        ablation=False,
+    ),
     "attnres_highway_gate": RuleOption(
         "highway_gate",
         "Highway: the gate between the stream and each sublayer output: channel, one gate per channel from a d x d "
@@ -120,7 +141,15 @@ RULES = {
         "it normalises the stream after every sublayer, which the source does not do",
         learns=False,
     ),
-    "rezero": RuleSpec("ReZero (a learned scalar on each sublayer output)", "stream"),
+    "rezero": RuleSpec(
+        "ReZero (a learned scalar on each sublayer output; no norms: each sublayer reads the raw stream)",
+        "stream",
+        "it drops the sublayers' input norms and the final norm, which the source applies",
+        saved_before="rezero_prenorm",
+    ),
+    "rezero_prenorm": RuleSpec(
+        "ReZero on PreNorm (a learned scalar on each sublayer output, which reads the normalised stream)", "stream"
+    ),
     "layerscale": RuleSpec("LayerScale (a learned vector on each sublayer output)", "stream"),
     "highway": RuleSpec(
         "Highway (an input-dependent gate between the stream and each sublayer output)",
@@ -128,7 +157,16 @@ RULES = {
         "its gate mixes the stream and the sublayer output as (1 - g) h + g f, which is never the plain sum h + f",
         options=("attnres_highway_gate",),
     ),
-    "denseformer": RuleSpec("DenseFormer (learned static weights over every earlier output)", "outputs"),
+    "denseformer": RuleSpec(
+        "DenseFormer (after each decoder layer, learned static weights over the embedding and every layer output)",
+        "stream",
+        options=("attnres_dwa_dilation", "attnres_dwa_period"),
+        saved_before="denseformer_sublayers",
+    ),
+    "denseformer_sublayers": RuleSpec(
+        "DenseFormer per sublayer (learned static weights over the embedding and every earlier sublayer output)",
+        "outputs",
+    ),
     "mhc": RuleSpec(
         "mHC (m residual streams, mixed by doubly stochastic matrices)", "stream", options=("attnres_num_streams",)
     ),
@@ -145,6 +183,18 @@ ATTNRES_MODES = tuple(mode for mode, rule in RULES.items() if rule.depth_attenti
 OPTION_MODES = {name: tuple(mode for mode, rule in RULES.items() if name in rule.options) for name in RULE_OPTIONS}
 # The paper's ablations of AttnRes (Table 4), as options
 ATTNRES_OPTIONS = {name: option for name, option in RULE_OPTIONS.items() if option.ablation}
+
+
+# The names a saved layout uses. Since naming 2, "rezero" names ReZero as published (without norms) and
+# "denseformer" DenseFormer as published (an average after each decoder layer), and the query "projected" reads the
+# hidden state; a layout that holds such a moved name without `NAMING_KEY` was saved before, and its weights compute
+# the form the name had then (`RuleSpec.saved_before`, `RuleOption.moved`), which now has a name of its own
+NAMING = 2
+NAMING_KEY = "attnres_naming"
+MOVED_NAMES = {
+    "attnres_mode": {mode: rule.saved_before for mode, rule in RULES.items() if rule.saved_before},
+    **{name: option.moved for name, option in RULE_OPTIONS.items() if option.moved},
+}
 
 
 def stream_mix_rows(mode: str, streams: int) -> int:

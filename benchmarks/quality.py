@@ -169,17 +169,22 @@ RULES = {
     "block": "Block AttnRes",
     "full": "Full AttnRes",
     "postnorm": "PostNorm",
-    "rezero": "ReZero",
+    "rezero": "ReZero on PreNorm",
     "layerscale": "LayerScale",
     "highway": "Highway",
-    "denseformer": "DenseFormer",
+    "denseformer": "DenseFormer per sublayer",
     "mhc": "mHC",
 }
 # Table 4's ablations of AttnRes (paper §5.3), at `small` after the rules: variant -> (label, attnres_mode, options of
 # the config). The paper's H = 16 depth heads and window of W = 8 of its 32 sublayers; our `small` has 12 sublayers, so
 # its window is 3, the same quarter of the depth (8 would leave out nothing but the first sublayer outputs)
 ABLATIONS = {
-    "full-projected-query": ("Full w/ input-dependent query", "full", {"attnres_query": "projected"}),
+    # Made when the projected query read the latest source, "projected_latest" since (attnres/rules.py's MOVED_NAMES)
+    "full-projected-query": (
+        "Full w/ input-dependent query (latest source)",
+        "full",
+        {"attnres_query": "projected_latest"},
+    ),
     "full-scalar-mixing": ("Full w/ input-independent mixing", "full", {"attnres_query": "scalars"}),
     "full-sigmoid": ("Full w/ sigmoid", "full", {"attnres_score": "sigmoid"}),
     "full-no-key-norm": ("Full w/o key RMSNorm", "full", {"attnres_key_norm": False}),
@@ -188,6 +193,11 @@ ABLATIONS = {
     "block-no-key-norm": ("Block w/o key RMSNorm", "block", {"attnres_key_norm": False}),
 }
 RULES |= {variant: label for variant, (label, _, _) in ABLATIONS.items()}
+# Variants named before their rule's name moved to the published form (attnres/rules.py's MOVED_NAMES): the committed
+# runs of "rezero" trained ReZero on PreNorm, "rezero_prenorm" now, and those of "denseformer" DenseFormer per
+# sublayer, "denseformer_sublayers" now. The variant keeps its name (its results' files and ids) and trains that form,
+# under RULES' label
+MODE_OF_VARIANT = {"rezero": "rezero_prenorm", "denseformer": "denseformer_sublayers"}
 TABLE4_RULES = {"small": tuple(RULES), "base": ("prenorm", "block", "full", "denseformer", "mhc")}
 LONG_RULES = ("prenorm", "block", "full")
 # Options that take their value from the sweep when the run starts (the sweep's best learning rate of the size)
@@ -440,7 +450,7 @@ def scratch_model(config: LlamaConfig, rule: str, seed: int) -> PreTrainedModel:
     prenorm = LlamaForCausalLM(config)
     if rule == "prenorm":
         return prenorm
-    _, mode, options = ABLATIONS.get(rule, (None, rule, {}))
+    _, mode, options = ABLATIONS.get(rule, (None, MODE_OF_VARIANT.get(rule, rule), {}))
     model = AttnResForCausalLM(AttnResConfig(text_config=config.to_dict(), attnres_mode=mode, **options))
     missing = model.load_state_dict(prenorm.state_dict(), strict=False).missing_keys
     assert all(is_attnres_parameter(name) for name in missing), missing
@@ -1152,7 +1162,7 @@ def main(argv: list[str] | None = None) -> int:
         import quality_report  # the tables and plots; matplotlib only here
 
         expected = {study: sum(run.study == study for run in runs.values()) for study in STUDIES}
-        return quality_report.main(args.results, args.docs, expected)
+        return quality_report.main(args.results, args.docs, expected, RULES)
     chosen = select(list(runs.values()), args.only)
     if args.list:
         for run in chosen:

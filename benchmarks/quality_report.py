@@ -46,8 +46,12 @@ PAPER_TABLE4 = {
 BLOCK = re.compile(r"(<!-- report: (?P<name>[\w-]+) -->\n).*?(<!-- /report -->)", re.DOTALL)
 
 
-def load(results: Path) -> list[dict[str, Any]]:
-    return [json.loads(path.read_text()) for path in sorted(results.glob("*.json"))]
+def load(results: Path, labels: dict[str, str]) -> list[dict[str, Any]]:
+    """The results, each under the label its variant has now (`labels`, quality.RULES) where it has one: the committed
+    runs of "rezero" and "denseformer" say "ReZero" and "DenseFormer", the names of the forms they trained when they
+    ran, ReZero on PreNorm and DenseFormer per sublayer now."""
+    runs = [json.loads(path.read_text()) for path in sorted(results.glob("*.json"))]
+    return [run | {"label": labels.get(run["variant"], run["label"])} for run in runs]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -492,8 +496,8 @@ def fill(page: str, made: dict[str, str]) -> str:
     return BLOCK.sub(lambda m: m[1] + made.get(m["name"], "No run of this study has finished yet.\n") + m[3], page)
 
 
-def main(results: Path, docs: Path, expected: dict[str, int]) -> int:
-    runs = load(results)
+def main(results: Path, docs: Path, expected: dict[str, int], labels: dict[str, str]) -> int:
+    runs = load(results, labels)
     page_path = docs / "quality.md"
     page = page_path.read_text()
     page_path.write_text(fill(page, blocks(runs, expected, docs)))

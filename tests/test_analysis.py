@@ -237,7 +237,7 @@ def test_matrices_of_the_rules_at_their_published_start():
     torch.testing.assert_close(full[visible], torch.cat([torch.full((row,), 1 / row) for row in range(1, 6)]))
 
 
-@pytest.mark.parametrize("rule", ["denseformer", "mhc", "rezero", "block", "full"])
+@pytest.mark.parametrize("rule", ["denseformer", "mhc", "rezero_prenorm", "block", "full"])
 def test_a_converted_model_mixes_as_its_source(rule):
     """An exact conversion starts as PreNorm: M is 1 for every earlier source (mHC within its float rounding)."""
     converted = convert_to_attnres(tiny_source_model("llama", num_layers=3), mode=rule)

@@ -138,7 +138,7 @@ def test_the_command_and_the_library_share_one_declaration_of_rules_families_and
     assert child.returncode == 0, child.stderr[-3000:]
     assert child.stdout.split() == ["True"] * 4
     assert len(cli.SUPPORTED_FAMILIES) == 34 and cli.MODES == tuple(options.RULES)
-    assert options.FROM_SCRATCH_ONLY == ("postnorm", "highway")
+    assert options.FROM_SCRATCH_ONLY == ("postnorm", "rezero", "highway")
 
 
 def test_help_names_every_family_and_rule():
@@ -150,7 +150,7 @@ def test_help_names_every_family_and_rule():
         mode = next(action for action in parser._actions if action.dest == "mode")
         assert mode.choices == cli.MODES
         assert all(f"{name}, {rule.label}" in mode.help for name, rule in options.RULES.items())
-        assert "postnorm, highway cannot start as the source computes" in mode.help
+        assert "postnorm, rezero, highway cannot start as the source computes" in mode.help
 
 
 def test_train_help_shows_the_dashed_spellings_and_both_parse():

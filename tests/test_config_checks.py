@@ -117,4 +117,6 @@ def test_the_rules_declare_what_their_classes_do():
         "attnres_window": ("full",),
         "attnres_num_streams": ("mhc", "mhc_lite"),
         "attnres_highway_gate": ("highway",),
+        "attnres_dwa_dilation": ("denseformer",),
+        "attnres_dwa_period": ("denseformer",),
     }

@@ -240,8 +240,11 @@ ENGINE_CASES = {
     "mhc-checkpointed": {"attnres": {"attnres_mode": "mhc"}, "activation_checkpointing": True},
     "highway": {"attnres": {"attnres_mode": "highway"}, "activation_checkpointing": False},
     "layerscale": {"attnres": {"attnres_mode": "layerscale"}, "activation_checkpointing": False},
-    "denseformer-checkpointed": {"attnres": {"attnres_mode": "denseformer"}, "activation_checkpointing": True},
-    "rezero": {"attnres": {"attnres_mode": "rezero"}, "activation_checkpointing": False},
+    "denseformer-sublayers-checkpointed": {
+        "attnres": {"attnres_mode": "denseformer_sublayers"},
+        "activation_checkpointing": True,
+    },
+    "rezero-prenorm": {"attnres": {"attnres_mode": "rezero_prenorm"}, "activation_checkpointing": False},
     "postnorm": {"attnres": {"attnres_mode": "postnorm"}, "activation_checkpointing": False},
     # Table 4's ablations: a [d, d] query projection over two channel groups; a logit per source with sigmoid scores
     "block-projected-checkpointed": {

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -29,18 +30,21 @@ from attnres.analysis import depth_weight_entropy
 from attnres.cards import describe_layout
 from attnres.configuration_attnres import AttnResConfigError
 from attnres.conversion import ConversionError, convert_to_attnres
-from attnres.depth_mixing import DepthState
+from attnres.depth_mixing import DepthAttention, DepthParameters, DepthState, sublayer_query
 from attnres.depth_rules import (
+    DEPTH_RULES,
     HighwayGate,
     HighwayRule,
     HyperConnection,
     PermutationConnection,
+    ResidualScale,
     sinkhorn_knopp,
     write_coefficients,
     write_streams,
 )
 from attnres.folders import read_metrics
-from attnres.rules import RULES
+from attnres.modeling_attnres import depth_mix_policy
+from attnres.rules import MOVED_NAMES, NAMING, NAMING_KEY, RULES
 
 EXACT_RULES = [name for name, rule in RULES.items() if rule.converts is None]
 FAMILIES = ["llama", "gemma3_text", "qwen3_moe"]  # plain, (1 + w) norms with output norms and sliding layers, MoE
@@ -56,9 +60,10 @@ def scratch_model(family: str, rule: str, seed: int = 0, num_layers: int = 4, **
 
 def test_the_rules_the_paper_compares_are_all_offered():
     assert set(RULES) == {
-        "prenorm", "postnorm", "rezero", "layerscale", "highway", "denseformer", "mhc", "mhc_lite", "block", "full"
+        "prenorm", "postnorm", "rezero", "rezero_prenorm", "layerscale", "highway", "denseformer",
+        "denseformer_sublayers", "mhc", "mhc_lite", "block", "full",
     }  # fmt: skip
-    assert [name for name, rule in RULES.items() if rule.converts is not None] == ["postnorm", "highway"]
+    assert [name for name, rule in RULES.items() if rule.converts is not None] == ["postnorm", "rezero", "highway"]
 
 
 @pytest.mark.parametrize("family", family_params(FAMILIES))
@@ -78,7 +83,7 @@ def test_exact_rules_convert_to_what_the_source_computes(rule, family):
     assert (logits - expected).abs().max().item() <= tolerance
 
 
-@pytest.mark.parametrize("rule", ["postnorm", "highway"])
+@pytest.mark.parametrize("rule", ["postnorm", "rezero", "highway"])
 def test_rules_that_cannot_start_exact_are_refused_for_conversion(rule):
     with pytest.raises(ConversionError, match=rf"--mode {rule} cannot start as the source computes: .*--from-scratch"):
         convert_to_attnres(tiny_source_model("llama"), mode=rule)
@@ -166,6 +171,127 @@ def test_a_highway_model_saved_before_the_gate_option_is_known_as_the_token_gate
     ids = random_ids()
     with torch.no_grad():
         assert torch.equal(attnres.AttnResForCausalLM.from_pretrained(tmp_path)(ids).logits, model(ids).logits)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# DenseFormer as published: a depth-weighted average after each decoder layer
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def papers_denseformer_logits(source, weights: list[torch.Tensor | None], dilation: int, ids) -> torch.Tensor:
+    """The paper's DenseFormer (Pagliardini et al. 2024, Eq. 1), line by line around the source model's own blocks:
+    X_0 the embedding, X_i = B_i(Y_{i-1}), and after block i, where it has weights (its period), Y_i = sum_j
+    alpha_ij X_j over X_0 .. X_i, every `dilation`-th back from X_i (elsewhere Y_i = X_i); the final norm reads
+    Y_L. Forward hooks put the average after each of the source's decoder layers."""
+    outputs = []
+    layers = source.model.layers
+    hooks = [layers[0].register_forward_pre_hook(lambda module, args: outputs.append(args[0]))]
+
+    def average(module, args, output, block: int):
+        outputs.append(output)
+        if weights[block] is None:
+            return output
+        kept = outputs[(block + 1) % dilation :: dilation]
+        return sum(alpha * x for alpha, x in zip(weights[block], kept, strict=True))
+
+    hooks += [layer.register_forward_hook(partial(average, block=i)) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            return source(ids).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("dilation, period", [(1, 1), (2, 3)])
+def test_denseformer_averages_the_block_outputs_as_the_paper_and_converts_exactly(dilation, period):
+    """Converted, it computes its source bit for bit (X_i's weight 1, the others 0). With random weights it computes
+    the paper's equation around the source's blocks (2.4e-7 and 1.2e-7 measured; the authors' DWAModules, run the
+    same way, gave 2.4e-7 and 1.2e-7 on six layers: not a dependency, as it is not on PyPI)."""
+    source = tiny_source_model("llama", num_layers=6)
+    ids = random_ids()
+    options = {"attnres_dwa_dilation": dilation, "attnres_dwa_period": period}
+    with torch.no_grad():
+        expected = source(ids).logits
+        model = convert_to_attnres(source, mode="denseformer", options=options).eval()
+        assert torch.equal(model(ids).logits, expected)
+        randomize_rule_parameters(model)
+        logits = model(ids).logits
+    weights = [layer.mlp_res_average.weight for layer in model.model.layers]
+    assert [w is not None for w in weights] == [(i + 1) % period == 0 for i in range(6)]
+    assert [len(w) for w in weights if w is not None] == [
+        (i + 1) // dilation + 1 for i in range(6) if (i + 1) % period == 0
+    ]
+    difference = (logits - papers_denseformer_logits(source, weights, dilation, ids)).abs().max().item()
+    print(f"DenseFormer (dilation {dilation}, period {period}) against the paper's equation: {difference:.2g}")
+    assert difference <= 1e-6 and (logits - expected).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("option", ["attnres_dwa_dilation", "attnres_dwa_period"])
+def test_a_denseformer_option_past_the_depth_is_refused(option):
+    with pytest.raises(AttnResConfigError, match=rf"{option}: got 5, over num_hidden_layers=4: .*at most"):
+        scratch_model("llama", "denseformer", **{option: 5})
+
+
+# Each name that moved to a published form (rules.py's MOVED_NAMES): the settings of the form it named before, and
+# those of the form it names now
+MOVED = {
+    "rezero": ({"attnres_mode": "rezero_prenorm"}, {"attnres_mode": "rezero"}),
+    "denseformer": ({"attnres_mode": "denseformer_sublayers"}, {"attnres_mode": "denseformer"}),
+    "projected": (
+        {"attnres_mode": "full", "attnres_query": "projected_latest"},
+        {"attnres_mode": "full", "attnres_query": "projected"},
+    ),
+}
+
+
+def form_model(settings: dict) -> attnres.AttnResForCausalLM:
+    options = {key: value for key, value in settings.items() if key != "attnres_mode"}
+    return scratch_model("llama", settings["attnres_mode"], **options).eval()
+
+
+def test_every_moved_name_is_tested():
+    assert set(MOVED) == {name for moved in MOVED_NAMES.values() for name in moved}
+
+
+@pytest.mark.parametrize("name", list(MOVED))
+def test_a_model_saved_before_its_name_moved_loads_and_computes_what_it_computed(name, tmp_path):
+    """Saved before `NAMING`, its config.json and layout named its form by the moved name, without `NAMING_KEY`: it
+    loads as the form it computed, under today's name, to the same logits, and saves under that name. Saved now, the
+    same name carries the naming and loads as the published form."""
+    before, now = MOVED[name]
+    key = next(key for key, moved in MOVED_NAMES.items() if name in moved)
+    model = form_model(before)
+    randomize_rule_parameters(model)
+    model.save_pretrained(tmp_path / "before")
+    config = json.loads((tmp_path / "before" / "config.json").read_text())
+    layout = config["attnres_saved_layout"]
+    assert NAMING_KEY not in layout  # today's name of the older form moved nowhere
+    config |= {key: name, "attnres_saved_layout": layout | {key: name}}  # as it was saved then
+    (tmp_path / "before" / "config.json").write_text(json.dumps(config))
+    reloaded = attnres.AttnResForCausalLM.from_pretrained(tmp_path / "before").eval()
+    assert getattr(reloaded.config, key) == before[key]
+    ids = random_ids()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    reloaded.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["attnres_saved_layout"] == layout
+
+    published = form_model(now)
+    published.save_pretrained(tmp_path / "now")
+    saved = json.loads((tmp_path / "now" / "config.json").read_text())["attnres_saved_layout"]
+    assert saved[key] == name and saved[NAMING_KEY] == NAMING
+    assert getattr(attnres.AttnResForCausalLM.from_pretrained(tmp_path / "now").config, key) == name
+
+
+def test_a_layout_saved_before_a_name_moved_still_refuses_an_edited_config(tmp_path):
+    """An old ReZero model whose config.json was edited to another rule: refused, naming the form it was made with."""
+    scratch_model("llama", "rezero_prenorm").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config |= {"attnres_mode": "prenorm", "attnres_saved_layout": {"attnres_mode": "rezero"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AttnResConfigError, match="says attnres_mode='prenorm', .* made with attnres_mode='rezero_pre"):
+        attnres.AttnResForCausalLM.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("family", ["olmo2", "olmo3", "exaone4"])
@@ -282,11 +408,110 @@ def test_every_rule_reloads_and_generates_with_and_without_the_cache_and_as_remo
 
 
 def test_rezero_and_layerscale_start_as_published_and_conversion_starts_them_at_one():
-    rezero, layerscale = scratch_model("llama", "rezero"), scratch_model("llama", "layerscale")
-    assert rezero.model.layers[0].self_attention_res_scale.weight.tolist() == [0.0]
+    for rezero in (scratch_model("llama", "rezero"), scratch_model("llama", "rezero_prenorm")):
+        assert rezero.model.layers[0].self_attention_res_scale.weight.tolist() == [0.0]
+    layerscale = scratch_model("llama", "layerscale")
     assert torch.all(layerscale.model.layers[0].mlp_res_scale.weight == 0.1)  # CaiT's value up to 18 layers
-    converted = convert_to_attnres(tiny_source_model("llama"), mode="layerscale")
-    assert torch.all(converted.model.layers[0].mlp_res_scale.weight == 1)
+    for rule in ("layerscale", "rezero_prenorm"):
+        converted = convert_to_attnres(tiny_source_model("llama"), mode=rule)
+        assert torch.all(converted.model.layers[0].mlp_res_scale.weight == 1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# ReZero as published (no norms) and on PreNorm
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_rezero_starts_as_the_identity_with_no_norm_on_the_stream(family):
+    """Every scale 0 and no norm anywhere on the stream: the model's output is the token embedding itself, bit for
+    bit (Gemma3's sublayers keep their own output norms, which the zero scales silence). ReZero on PreNorm ends in the
+    final norm of the embedding."""
+    ids = random_ids()
+    with torch.no_grad():
+        rezero = scratch_model(family, "rezero").model
+        assert torch.equal(rezero(ids).last_hidden_state, rezero.embed_tokens(ids))
+        prenorm = scratch_model(family, "rezero_prenorm").model
+        assert torch.equal(prenorm(ids).last_hidden_state, prenorm.norm(prenorm.embed_tokens(ids)))
+
+
+def test_rezero_freezes_the_norms_it_never_reads_and_trains_every_other_parameter():
+    """The family's input norms and final norm stay in a ReZero model (its checkpoint keeps the family's layout) but
+    are never read: frozen, so that data-parallel training waits for no gradient of theirs, while every parameter it
+    trains gets one."""
+    model = scratch_model("llama", "rezero")
+    ids = random_ids()
+    model(ids, labels=ids).loss.backward()
+    frozen = {name for name, parameter in model.named_parameters() if not parameter.requires_grad}
+    norms = ("input_layernorm", "post_attention_layernorm")
+    assert frozen == {"model.norm.weight"} | {f"model.layers.{i}.{norm}.weight" for i in range(4) for norm in norms}
+    assert all(parameter.grad is not None for parameter in model.parameters() if parameter.requires_grad)
+    assert all(parameter.requires_grad for parameter in scratch_model("llama", "rezero_prenorm").parameters())
+
+
+def scaled_layer(rule_name: str, attention, mlp, scales: tuple[torch.Tensor, ...], x: torch.Tensor, norm):
+    """One decoder layer of sublayers `attention` and `mlp` [B,T,d] -> [B,T,d], its stream as the rule (ReZero's or
+    LayerScale's) reads and writes it, with the attention's and the MLP's scales ([1] or [d])."""
+    rule = DEPTH_RULES[rule_name]
+    heads = [(ResidualScale(tuple(scale.shape), 0.0),) for scale in scales]
+    with torch.no_grad():
+        for (module,), scale in zip(heads, scales, strict=True):
+            module.weight.copy_(scale)
+    depth = DepthState((), x.new_zeros(*x.shape[:-1], 0), x)
+    policy = depth_mix_policy(scratch_model("llama", rule_name, num_layers=1).config)
+    for sublayer, head in zip((attention, mlp), heads, strict=True):
+        sublayer_input, _ = rule.read(depth, head, norm, None, policy)
+        depth = rule.write(depth, sublayer(sublayer_input), head, norm)
+    return depth.partial_sum
+
+
+def test_rezero_computes_the_authors_rezero_transformer_layer():
+    """The authors' ReZero package (`pip install rezero==0.1.0`, Bachlechner et al.; skipped without it): its
+    `RZTXEncoderLayer` computes x + a attn(x), then x + a ffn(x), with no norm and ONE scale a per layer, shared by
+    its two sublayers. Ours, around its own attention and feed-forward, computes the same where our attention's and
+    MLP's scales are equal (2.4e-7 measured); ours learns one scale per sublayer, so unequal scales leave theirs
+    (0.26 measured); ReZero on PreNorm reads norm(h) and leaves it too (0.066)."""
+    rezero_transformer = pytest.importorskip("rezero.transformer")
+    torch.manual_seed(0)
+    theirs = rezero_transformer.RZTXEncoderLayer(d_model=64, nhead=4, dim_feedforward=96, dropout=0.0).eval()
+    with torch.no_grad():
+        theirs.resweight.fill_(0.7)
+
+    def attention(x: torch.Tensor) -> torch.Tensor:  # theirs is sequence-first: [T,B,d]
+        return theirs.self_attn(*(x.transpose(0, 1),) * 3)[0].transpose(0, 1)
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        return theirs.linear2(theirs.activation(theirs.linear1(x)))
+
+    x = torch.randn(2, 5, 64)
+    rms_norm = torch.nn.RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        expected = theirs(x.transpose(0, 1)).transpose(0, 1)
+        same, other = torch.tensor([0.7]), torch.tensor([0.3])
+        ours = scaled_layer("rezero", attention, mlp, (same, same), x, norm=rms_norm)
+        unequal = scaled_layer("rezero", attention, mlp, (same, other), x, norm=rms_norm)
+        on_prenorm = scaled_layer("rezero_prenorm", attention, mlp, (same, same), x, norm=rms_norm)
+    differences = [(other - expected).abs().max().item() for other in (ours, unequal, on_prenorm)]
+    print("ReZero against the authors' layer: equal scales, unequal, on PreNorm:", differences)
+    assert differences[0] <= 1e-6 and min(differences[1:]) > 0.05
+
+
+def test_layerscale_computes_cait_s_equations():
+    """CaiT (Touvron et al. 2021, Eq. 4): x'_l = x_l + diag(λ_l,1) × SA(η(x_l)), x_l+1 = x'_l + diag(λ_l,2) ×
+    FFN(η(x'_l)), η the layer's norm and λ a learned vector per sublayer, written here line by line (timm's
+    `LayerScale`, x * gamma, is the diag(λ) alone; timm is no test dependency: it needs torchvision)."""
+    torch.manual_seed(0)
+    attention = torch.nn.Linear(64, 64)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64))
+    norm = torch.nn.RMSNorm(64, eps=1e-6)
+    lambda_1, lambda_2, x = torch.rand(64), torch.rand(64), torch.randn(2, 5, 64)
+    with torch.no_grad():
+        x_prime = x + attention(norm(x)) @ torch.diag(lambda_1)  # diag(λ) × y, per token
+        expected = x_prime + mlp(norm(x_prime)) @ torch.diag(lambda_2)
+        ours = scaled_layer("layerscale", attention, mlp, (lambda_1, lambda_2), x, norm)
+    difference = (ours - expected).abs().max().item()
+    print(f"LayerScale against CaiT's equations: {difference:.2g}")
+    assert difference <= 1e-6
 
 
 @pytest.mark.parametrize("num_streams", [2, 3, 4])
@@ -626,13 +851,14 @@ def test_rules_and_ablations_compile_whole(name, compiled_mix, one_thread):
     exact_output = exact_model(ids, labels=ids)
     exact_output.loss.backward()
     exact_logits = exact_output.logits.detach()
-    exact_gradients = {name: p.grad for name, p in exact_model.named_parameters()}
+    exact_gradients = {name: p.grad for name, p in exact_model.named_parameters() if p.requires_grad}
     results = []
     for forward in (model, torch.compile(model, fullgraph=True)):
         model.zero_grad()
         output = forward(ids, labels=ids)
         output.loss.backward()
-        results.append((output.logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+        gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+        results.append((output.logits.detach(), gradients))
     (eager_logits, eager_gradients), (compiled_logits, compiled_gradients) = results
 
     def error(value: torch.Tensor, exact: torch.Tensor) -> float:
@@ -655,10 +881,34 @@ def test_ablations_train_from_scratch(ablation, text_batches):
     assert after < before - 1.0
 
 
+@pytest.mark.parametrize("partial", [True, False], ids=["partial-sum", "block-just-closed"])
+def test_the_projected_query_reads_the_hidden_state_the_sum_of_the_sources(partial):
+    """The paper's input-dependent query, "projected from the hidden state", line by line: q = w + W RMSNorm(h) / d,
+    h = v_0 + ... + v_n the sum of the sublayer's sources (the embedding and every output since: the standard
+    residual stream). `projected_latest` reads the latest source v_n instead, as `projected` did before naming 2."""
+    torch.manual_seed(0)
+    d, eps = 16, 1e-6
+    blocks = tuple(torch.randn(2, 3, d) * scale for scale in (1.0, 4.0, 9.0))
+    depth = DepthState(blocks, torch.zeros(2, 3, len(blocks)), torch.randn(2, 3, d) if partial else None)
+    learned = DepthParameters(pseudo_query=torch.randn(1, d), query_projection=torch.randn(d, d))
+    w, W = learned.pseudo_query, learned.query_projection
+
+    def reference(v: torch.Tensor) -> torch.Tensor:
+        rmsnorm_v = v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+        return (w + rmsnorm_v @ W.T / d).unsqueeze(-2)
+
+    sources = depth.sources()
+    for query, v in (("projected", sum(sources)), ("projected_latest", sources[-1])):
+        ours = sublayer_query(depth, learned, DepthAttention(eps=eps, query=query))
+        torch.testing.assert_close(ours, reference(v), rtol=0, atol=1e-5)
+    assert (reference(sum(sources)) - reference(sources[-1])).abs().max() > 0.1
+
+
 def test_the_projected_query_trains_at_the_pseudo_query_s_pace(text_batches):
     """An input-dependent query keeps a spread over depth as it trains and learns as fast as Full AttnRes. Measured
-    after 30 steps: depth-weight entropy 1.48 (Full 1.50) nats, held-out loss 3.223 (3.225); without the projection's
-    1/d the softmax went near one-hot (entropy 0.23) and the loss stalled (3.484)."""
+    after 30 steps: depth-weight entropy 1.46 (Full 1.50) nats, held-out loss 3.203 (3.225); from the latest source
+    (`projected_latest`), 1.48 and 3.223; without the projection's 1/d (then from the latest source) the softmax went
+    near one-hot (entropy 0.23) and the loss stalled (3.484)."""
 
     def trained(**options) -> tuple[float, float]:
         model = scratch_model("llama", "full", **options)
@@ -685,7 +935,9 @@ def test_ablations_convert_to_what_the_source_computes(ablation, family):
         expected = source(ids).logits
         converted = convert_to_attnres(source, mode=mode, options=options)
         logits = converted(ids).logits
-    assert converted.config.depth_layout() == {"attnres_mode": mode, **options} | (
+    layout = converted.config.depth_layout()
+    layout.pop(NAMING_KEY, None)  # beside the projected query, whose name moved
+    assert layout == {"attnres_mode": mode, **options} | (
         {"attnres_block_size": converted.config.attnres_block_size} if mode == "block" else {}
     )
     assert (logits - expected).abs().max().item() <= 1e-5  # as Block and Full AttnRes
@@ -751,4 +1003,4 @@ def test_the_command_line_converts_and_trains_the_ablations(tmp_path):
     code, _, stderr = run_cli(*command, *options, *run)
     assert code == 0, stderr
     saved = json.loads((tmp_path / "run" / "config.json").read_text())["attnres_saved_layout"]
-    assert saved == {"attnres_mode": "full", "attnres_query": "projected", "attnres_window": 2}
+    assert saved == {"attnres_mode": "full", "attnres_query": "projected", "attnres_window": 2, NAMING_KEY: NAMING}
