@@ -5,19 +5,30 @@ cache compiles; assisted decoding works, or is refused, as for the source."""
 import pytest
 import torch
 from test_families import perturbed_source
-from tiny import attnres_twin, family_params, hybrid_families, random_ids, tiny_source_config, tiny_source_model
+from tiny import (
+    attnres_twin,
+    family_params,
+    hybrid_families,
+    random_ids,
+    recurrent_layer_types,
+    tiny_source_config,
+    tiny_source_model,
+)
 
-from attnres.families import RECURRENT_LAYER_TYPES
+from attnres.families import FAMILIES
 
 HYBRIDS = hybrid_families()
 GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
 
 
 def test_the_tiny_hybrids_alternate_recurrent_and_attention_layers():
-    assert len(HYBRIDS) == 8, HYBRIDS
+    """Layer 0 holds a recurrent mixer, layer 1 attention; Falcon-H1's every layer holds both, in parallel."""
+    assert len(HYBRIDS) == 10, HYBRIDS
     for family in HYBRIDS:
         layer_types = tiny_source_config(family, num_layers=2).layer_types
-        assert layer_types[0] in RECURRENT_LAYER_TYPES and layer_types[1] == "full_attention", (family, layer_types)
+        mixers = [FAMILIES[family].mixers(kind) for kind in layer_types]
+        assert recurrent_layer_types(family, layer_types)[:1] == layer_types[:1], (family, layer_types)
+        assert "full_attention" in {mixer.mask for mixer in mixers[1]}, (family, layer_types)
 
 
 @pytest.mark.parametrize("family", family_params(HYBRIDS, fast=("bamba",)))
