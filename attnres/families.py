@@ -68,7 +68,8 @@ class Family:
     # none: no position embedding at all)
     rope_needs_theta: bool = False
     # The oldest transformers whose modules of the family these files can call: the hybrids' recurrent mixers take the
-    # cache as `cache` from 5.24 on (before, each named it its own way)
+    # cache as `cache` from 5.24 on (before, each named it its own way); GPT-J and CodeGen have a RotaryEmbedding module
+    # from 5.24 on (before, their attention made its own sinusoids); Falcon's attention takes no `alibi` from 5.25 on
     oldest_transformers: str = OLDEST_TRANSFORMERS
 
     # Module names where the family's differ from Llama's: the AttnRes model builds its own embedding, layer list,
@@ -174,6 +175,8 @@ OUTPUT_NORMS_ONLY = dict(
     mlp_output_norm="post_feedforward_layernorm",
 )
 HYBRIDS_TRANSFORMERS = "5.24.0"
+ROTARY_MODULE_TRANSFORMERS = "5.24.0"  # GPT-J's and CodeGen's RotaryEmbedding
+FALCON_TRANSFORMERS = "5.25.0"  # FalconAttention without the `alibi` argument
 # LFM2's names: `conv` layers, the operator and feed-forward norms, and a final norm named for the embedding
 LFM2_LAYOUT = dict(
     attention_input_norm="operator_norm",
@@ -199,6 +202,7 @@ GPTJ_LAYOUT = dict(
     embedding="wte", embedding_padding_idx=False, layers="h", decoder_layer="Block", attention="attn",
     attention_input_norm="ln_1", mlp_input_norm="ln_1", embedding_dropout_key="embd_pdrop", final_norm="ln_f",
     **LAYER_NORM_FINAL, norm_eps_key="layer_norm_epsilon", lm_head_bias=True, one_branch=True,
+    oldest_transformers=ROTARY_MODULE_TRANSFORMERS,
 )  # fmt: skip
 COHERE_LAYOUT = dict(
     mlp_input_norm="input_layernorm",
@@ -352,6 +356,7 @@ FAMILIES = {
         norm_eps_key="layer_norm_epsilon",
         attention_input_norm=("ln_attn", "input_layernorm"),
         mlp_input_norm=("ln_mlp", "post_attention_layernorm", "input_layernorm"),
+        oldest_transformers=FALCON_TRANSFORMERS,
     ),  # fmt: skip
     # One mixer per layer, by its type: Mamba-2, attention without RoPE, MLP or MoE, each on the layer's one norm
     "nemotron_h": Family(
