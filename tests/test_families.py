@@ -274,3 +274,15 @@ def test_postnorm_needs_one_input_norm_per_branch():
     config = AttnResConfig(text_config=tiny_source_config("gpt_neox", num_layers=2), attnres_mode="postnorm")
     with pytest.raises(AttnResConfigError, match="gpt_neox's one-branch layers have two .*: use another rule"):
         AttnResForCausalLM(config)
+
+
+@pytest.mark.parametrize("family", ["granite", "falcon_h1"])
+def test_given_embeddings_are_multiplied_as_the_source_does(family):
+    """Granite multiplies `inputs_embeds` given to the model by its embedding multiplier, Falcon-H1 only the embedding
+    it looks up from ids: the converted model does what its source does with either input."""
+    source, ids = perturbed_source(family, num_layers=2), random_ids(length=10)
+    model = convert_to_attnres(copy.deepcopy(source), block_size=1)
+    embeddings = source.get_input_embeddings()(ids)
+    with torch.no_grad():
+        for inputs in (dict(input_ids=ids), dict(inputs_embeds=embeddings)):
+            assert (model(**inputs).logits - source(**inputs).logits).abs().max().item() <= 1e-5, inputs.keys()
