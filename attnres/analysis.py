@@ -104,9 +104,11 @@ def layer_sublayers(family, text_config, layer: nn.Module, layer_type: str) -> l
     whose outputs it adds, their output norms), for an AttnRes layer or a source family's own."""
     norms = family.norms(layer_type, lambda name: getattr(layer, name, None) is not None)
     mlp_layer = family.mlp_layers.get(layer_type)
-    token_mixer = None if mlp_layer else family.token_mixers.get(layer_type, family.attention)
     mlp_parts = [name for name in ((mlp_layer,) if mlp_layer else family.mlp) if getattr(layer, name, None) is not None]
-    attention = [(norms.attention_input_norm, token_mixer, norms.attention_output_norm)] if token_mixer else []
+    # Each token mixer (Falcon-H1's run in parallel, their outputs measured before their multipliers)
+    attention = [
+        (norms.attention_input_norm, mixer.module, norms.attention_output_norm) for mixer in family.mixers(layer_type)
+    ]
     mlp = [(norms.mlp_input_norm, part, norms.mlp_output_norm) for part in mlp_parts]
     branches = [attention, mlp] if not family.has_one_branch(text_config) else [attention + mlp]
     sublayers = []
@@ -244,15 +246,22 @@ def recurrence_coefficients(
     handles = [
         layer.register_forward_pre_hook(lambda m, args: layer_streams.append(args[0].detach())) for layer in layers
     ]
+    mixer_outputs = []
+
+    def record_mixer(layer, mixer, output):
+        # The attention sublayer's output once each of its token mixers has run (Falcon-H1's in parallel: their sum)
+        mixer_outputs.append(layer._mixer_output(mixer, output[0] if isinstance(output, tuple) else output))
+        if len(mixer_outputs) == len(layer.mixers):
+            attention_outputs.append(layer._sublayer_output(0, sum(mixer_outputs)).detach())
+            mixer_outputs.clear()
+
     for layer in () if one_branch else layers:
-        token_mixer = getattr(layer, layer.token_mixer)
-        handles.append(
-            token_mixer.register_forward_hook(
-                lambda m, args, output, layer=layer: attention_outputs.append(
-                    layer._sublayer_output(0, output[0] if isinstance(output, tuple) else output).detach()
+        for mixer in layer.mixers:
+            handles.append(
+                getattr(layer, mixer.module).register_forward_hook(
+                    lambda m, args, output, layer=layer, mixer=mixer: record_mixer(layer, mixer, output)
                 )
             )
-        )
     handles.append(layers[-1].register_forward_hook(lambda m, args, output: layer_streams.append(output[0].detach())))
     try:
         run()

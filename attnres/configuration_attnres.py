@@ -138,7 +138,8 @@ def _check_family(text_config: PreTrainedConfig) -> None:
     oldest = FAMILIES[model_type].oldest_transformers
     if Version(transformers.__version__) < Version(oldest):
         raise AttnResConfigError(
-            f"text_config: '{model_type}' needs transformers>={oldest} (the call of its recurrent layers), found "
+            f"text_config: '{model_type}' needs transformers>={oldest} (the first release whose {model_type} "
+            f"modules take the calls AttnRes makes), found "
             f'{transformers.__version__}: pip install -U "transformers>={oldest}"'
         )
 

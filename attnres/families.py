@@ -42,6 +42,8 @@ class Family:
     # Granite's scalars, as config fields: the embedding is multiplied by one, each sublayer output by another before
     # the residual add, and the logits are divided by a third
     embedding_multiplier_key: str | None = None
+    # Falcon-H1 multiplies only the embedding it looks up from token ids, not `inputs_embeds` given to the model
+    embedding_multiplier_on_ids_only: bool = False
     residual_multiplier_key: str | None = None
     logits_divisor_key: str | None = None
     # Gemma2: sdpa cannot softcap the attention logits. Its own models declare so from transformers 5.21 on; on 5.20
@@ -62,8 +64,12 @@ class Family:
     rotary_embedding: bool = True  # Kimi Linear, Jamba: their attention layers have no RoPE
     # GraniteMoeHybrid: RoPE only where this config field has this value (Granite 4.0 checkpoints have none)
     rope_switch: tuple[str, str] | None = None
+    # OLMo-Hybrid: RoPE only where the config's `rope_parameters` give a `rope_theta` (its released checkpoints set
+    # none: no position embedding at all)
+    rope_needs_theta: bool = False
     # The oldest transformers whose modules of the family these files can call: the hybrids' recurrent mixers take the
-    # cache as `cache` from 5.24 on (before, each named it its own way)
+    # cache as `cache` from 5.24 on (before, each named it its own way); GPT-J and CodeGen have a RotaryEmbedding module
+    # from 5.24 on (before, their attention made its own sinusoids); Falcon's attention takes no `alibi` from 5.25 on
     oldest_transformers: str = OLDEST_TRANSFORMERS
 
     # Module names where the family's differ from Llama's: the AttnRes model builds its own embedding, layer list,
@@ -93,15 +99,31 @@ class Family:
     # Nemotron-H: the layer types whose layer holds only an MLP (or MoE), by its attribute, called with the hidden
     # states alone
     mlp_layers: dict[str, str] = field(default_factory=dict)
-    # OLMo-Hybrid: the norms by layer type, where a type's differ from the fields above (its attention layers normalise
-    # only their outputs, its DeltaNet layers their inputs)
+    # OLMo-Hybrid: the norms by layer type (NORM_FIELDS), where a type's differ from the fields above (its attention
+    # layers normalise only their outputs, its DeltaNet layers their inputs: `post_attention_layernorm` is either)
     norms_by_layer_type: dict[str, dict] = field(default_factory=dict)
+    # Falcon-H1: the layer types whose first sublayer runs several token mixers in parallel on its one normed input,
+    # their outputs summed in this order (each with its own mask, cache state and multipliers, see `Mixer`)
+    parallel_mixers: dict[str, tuple["Mixer", ...]] = field(default_factory=dict)
+    # Buffers the source's model computes from its config and registers on a module of each layer, unsaved
+    # (Falcon-H1's `mamba.mup_vector`): the attribute path -> the function of the family's modeling module that
+    # computes it from the text config
+    computed_buffers: dict[str, str] = field(default_factory=dict)
 
     def has_one_branch(self, text_config) -> bool:
         """Whether the decoder layers of `text_config` each have one residual branch (see `one_branch`)."""
         if isinstance(self.one_branch, str):
             return bool(getattr(text_config, self.one_branch))
         return self.one_branch
+
+    def mixers(self, layer_type: str) -> tuple["Mixer", ...]:
+        """The token mixers of a layer of `layer_type`: its parallel mixers, else its one (the attention, or the
+        recurrent mixer its type names), none in a layer that holds only an MLP (Nemotron-H's)."""
+        if layer_type in self.mlp_layers:
+            return ()
+        if layer_type in self.parallel_mixers:
+            return self.parallel_mixers[layer_type]
+        return (Mixer(self.token_mixers.get(layer_type, self.attention), layer_type),)
 
     def norms(self, layer_type: str, has: Callable[[str], bool] = lambda name: True) -> "Norms":
         """The norms of a layer of `layer_type`, by the names the source's layer has (`has`): a field naming several
@@ -114,6 +136,17 @@ class Family:
             return next((candidate for candidate in candidates if has(candidate)), None)
 
         return Norms(**{key: present(name) for key, name in names.items()})
+
+
+class Mixer(NamedTuple):
+    """A token mixer of a layer: its attribute, and the layer type whose mask and call it takes (a recurrent type of
+    RECURRENT_LAYER_TYPES: the 2D padding mask, the cache, no RoPE; else the attention mask of that type, RoPE).
+    Falcon-H1's multipliers, as config fields: its input is multiplied by one, its output by the other."""
+
+    module: str
+    mask: str
+    input_multiplier_key: str | None = None
+    output_multiplier_key: str | None = None
 
 
 NORM_FIELDS = ("attention_input_norm", "attention_output_norm", "mlp_input_norm", "mlp_output_norm")
@@ -142,6 +175,8 @@ OUTPUT_NORMS_ONLY = dict(
     mlp_output_norm="post_feedforward_layernorm",
 )
 HYBRIDS_TRANSFORMERS = "5.24.0"
+ROTARY_MODULE_TRANSFORMERS = "5.24.0"  # GPT-J's and CodeGen's RotaryEmbedding
+FALCON_TRANSFORMERS = "5.25.0"  # FalconAttention without the `alibi` argument
 # LFM2's names: `conv` layers, the operator and feed-forward norms, and a final norm named for the embedding
 LFM2_LAYOUT = dict(
     attention_input_norm="operator_norm",
@@ -167,6 +202,7 @@ GPTJ_LAYOUT = dict(
     embedding="wte", embedding_padding_idx=False, layers="h", decoder_layer="Block", attention="attn",
     attention_input_norm="ln_1", mlp_input_norm="ln_1", embedding_dropout_key="embd_pdrop", final_norm="ln_f",
     **LAYER_NORM_FINAL, norm_eps_key="layer_norm_epsilon", lm_head_bias=True, one_branch=True,
+    oldest_transformers=ROTARY_MODULE_TRANSFORMERS,
 )  # fmt: skip
 COHERE_LAYOUT = dict(
     mlp_input_norm="input_layernorm",
@@ -234,6 +270,34 @@ FAMILIES = {
         rope_switch=("position_embedding_type", "rope"),
         oldest_transformers=HYBRIDS_TRANSFORMERS,
     ),
+    # Mamba-2 and attention in parallel in every layer (its one layer type, "hybrid"), then an MLP; muP multipliers on
+    # the embedding looked up from ids, each mixer's input and output, the MLP and the logits
+    "falcon_h1": Family(
+        "falcon_h1",
+        "FalconH1",
+        **MAMBA_LAYOUT,
+        parallel_mixers={
+            "hybrid": (
+                Mixer("mamba", "linear_attention", output_multiplier_key="ssm_out_multiplier"),
+                Mixer("self_attn", "full_attention", "attention_in_multiplier", "attention_out_multiplier"),
+            )
+        },
+        computed_buffers={"mamba.mup_vector": "compute_mup_vector"},
+        embedding_multiplier_key="embedding_multiplier",
+        embedding_multiplier_on_ids_only=True,
+        logits_multiplier_key="lm_head_multiplier",
+    ),
+    # Gated-DeltaNet layers, normed on their inputs as Llama's, between attention layers normed only on their outputs
+    # as OLMo-2's; a layer class per type; RoPE (on the attention layers) only where the config sets a theta
+    "olmo_hybrid": Family(
+        "olmo_hybrid",
+        "OlmoHybrid",
+        token_mixers={"linear_attention": "linear_attn"},
+        decoder_layers={"full_attention": "AttentionDecoderLayer", "linear_attention": "LinearAttentionDecoderLayer"},
+        norms_by_layer_type={"full_attention": OUTPUT_NORMS_ONLY},
+        rope_needs_theta=True,
+        oldest_transformers=HYBRIDS_TRANSFORMERS,
+    ),
     # Mamba layers between attention layers without RoPE, a layer class per type, MoE every other layer
     "jamba": Family(
         "jamba",
@@ -292,6 +356,7 @@ FAMILIES = {
         norm_eps_key="layer_norm_epsilon",
         attention_input_norm=("ln_attn", "input_layernorm"),
         mlp_input_norm=("ln_mlp", "post_attention_layernorm", "input_layernorm"),
+        oldest_transformers=FALCON_TRANSFORMERS,
     ),  # fmt: skip
     # One mixer per layer, by its type: Mamba-2, attention without RoPE, MLP or MoE, each on the layer's one norm
     "nemotron_h": Family(
@@ -329,21 +394,9 @@ ALIBI = (
     "Falcon with ALiBi (Falcon-RW): its model adds the position bias to the attention mask it builds, which AttnRes's "
     "masks (the family's own mask functions) do not carry; RoPE Falcon (alibi=False) converts"
 )
-PARALLEL_MIXERS = (
-    "a hybrid decoder whose layers run Mamba-2 and attention in parallel on one normed input (muP multipliers inside "
-    "them, each with its own mask and cache), then an MLP: two sublayers that could convert, the first the sum of both "
-    "mixers, but that sum is not yet built and verified, so it is refused rather than half supported"
-)
-MIXED_NORMS = (
-    "a hybrid decoder whose attention layers normalise only their outputs (as OLMo-2) while its gated-DeltaNet layers "
-    "normalise their inputs, under one norm name meaning either by layer type; each layer type could convert, but "
-    "norms by layer type are not yet built and verified, so it is refused rather than half supported"
-)
 ENCODER = "an encoder or encoder-decoder: AttnRes wraps causal decoders (and converts their text model)"
 REFUSED_FAMILIES = {
     **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"), POST_NORM),
-    "falcon_h1": PARALLEL_MIXERS,
-    "olmo_hybrid": MIXED_NORMS,
     **dict.fromkeys(("mamba", "mamba2"), "a state-space model without attention sublayers"),
     **dict.fromkeys(("t5", "bart", "mbart", "whisper"), ENCODER),
 }

@@ -41,7 +41,7 @@ from .configuration_attnres import AttnResConfig, AttnResConfigError, layer_type
 from .depth_mix_backends import DepthMixPolicy, mixes_in_one_operator
 from .depth_mixing import DepthState
 from .depth_rules import DEPTH_RULES, RuleModule
-from .families import FAMILIES, RECURRENT_LAYER_TYPES, Family
+from .families import FAMILIES, RECURRENT_LAYER_TYPES, Family, Mixer
 
 # Saved next to the weights, this file runs on every transformers from OLDEST_TRANSFORMERS on. 5.24 renamed the KV
 # cache from `past_key_values` to `cache` (the argument of models, layers and mask builders, and the output field):
@@ -153,6 +153,8 @@ def family_class(family: Family, suffix: str) -> type:
 
 def uses_rope(family: Family, text_config) -> bool:
     """Whether the source's attention layers rotate their queries and keys."""
+    if family.rope_needs_theta:
+        return (getattr(text_config, "rope_parameters", None) or {}).get("rope_theta") is not None
     if family.rope_switch is None:
         return family.rotary_embedding
     key, value = family.rope_switch
@@ -221,10 +223,15 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         source_layer = source_layer_class(config.text_config, layer_idx, **type_argument)
         for name, child in source_layer.named_children():
             self.add_module(name, child)
+        for path, function in family.computed_buffers.items():  # as the source's model registers them (Falcon-H1)
+            owner, name = path.rsplit(".", 1)
+            buffer = family_part(family, function)(config.text_config)
+            self.get_submodule(owner).register_buffer(name, buffer, persistent=False)
         self.norms = family.norms(self.layer_type, lambda name: getattr(source_layer, name, None) is not None)
-        # The token mixer (None in a layer that holds only an MLP: Nemotron-H's) and the MLP parts the layer has
+        # The token mixers (none in a layer that holds only an MLP: Nemotron-H's; several in parallel: Falcon-H1's) and
+        # the MLP parts the layer has
+        self.mixers = family.mixers(self.layer_type)
         mlp_layer = family.mlp_layers.get(self.layer_type)
-        self.token_mixer = None if mlp_layer else family.token_mixers.get(self.layer_type, family.attention)
         candidates = (mlp_layer,) if mlp_layer else family.mlp
         self.mlp_parts = [name for name in candidates if getattr(source_layer, name, None) is not None]
         # What the depth-mixing rule learns for each sublayer: `<sublayer>_res_<part>` (self_attention, mlp; branch)
@@ -268,16 +275,39 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     def _norm(self, name: str | None, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states if name is None else getattr(self, name)(hidden_states)
 
+    def _multiplier(self, key: str | None) -> float | None:
+        return None if key is None else getattr(self.config.text_config, key)
+
     def _mix_tokens(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
+        attention_masks: dict[str, torch.Tensor | None],
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         **kwargs,
     ) -> torch.Tensor:
-        """The token mixer's output [B,T,d]: attention's, or a hybrid's recurrent mixer's (which takes no RoPE)."""
-        token_mixer = getattr(self, self.token_mixer)
-        if self.layer_type in RECURRENT_LAYER_TYPES:
+        """The token mixers' output [B,T,d]: attention's, or a hybrid's recurrent mixer's (which takes no RoPE); where
+        several run in parallel (Falcon-H1), their outputs summed in the source's order, each after its multipliers."""
+        return sum_outputs(
+            self._mixer_output(
+                mixer, self._run_mixer(mixer, hidden_states, attention_masks, position_embeddings, kwargs)
+            )
+            for mixer in self.mixers
+        )
+
+    def _run_mixer(
+        self,
+        mixer: Mixer,
+        hidden_states: torch.Tensor,
+        attention_masks: dict[str, torch.Tensor | None],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """One token mixer's own output, before its output multiplier, on the mask of its type."""
+        token_mixer, attention_mask, kwargs = getattr(self, mixer.module), attention_masks.get(mixer.mask), dict(kwargs)
+        input_multiplier = self._multiplier(mixer.input_multiplier_key)
+        if input_multiplier is not None:
+            hidden_states = hidden_states * input_multiplier
+        if mixer.mask in RECURRENT_LAYER_TYPES:
             kwargs.pop("position_ids", None)  # as the sources call them: transformers 5.20's reject positions
             return token_mixer(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
         if self.family.attention_cache_argument is not None:
@@ -289,6 +319,11 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         return output
+
+    def _mixer_output(self, mixer: Mixer, output: torch.Tensor) -> torch.Tensor:
+        """A token mixer's output as the sublayer sums it: after its output multiplier (Falcon-H1's)."""
+        output_multiplier = self._multiplier(mixer.output_multiplier_key)
+        return output if output_multiplier is None else output * output_multiplier
 
     def _mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:
         output = sum_outputs(getattr(self, name)(hidden_states) for name in self.mlp_parts)
@@ -314,7 +349,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         # One branch: its attention (or single mixer) and its MLP on the same input, each through its own input norm
         # where the layer has two; their outputs summed, as the source adds them in one residual add
         outputs = []
-        if self.token_mixer is not None:
+        if self.mixers:
             attention_input = (
                 self._norm(self.norms.attention_input_norm, hidden_states) if self.branch_norms else hidden_states
             )
@@ -329,12 +364,15 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         partial_sum: torch.Tensor,
         completed_inv_rms: torch.Tensor,
         *completed_blocks: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: dict[str, torch.Tensor | None] | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, ...]:
         """-> (partial_sum, each sublayer's depth weights (attention, MLP; or the branch's), completed_inv_rms,
         *completed_blocks)
+
+        `attention_mask`: the model's masks by layer type (a recurrent type's 2D padding mask, an attention type's
+        mask), of which each token mixer takes its own (`Mixer.mask`).
 
         The cache (KV, or a hybrid's recurrent state) is in `kwargs` under `CACHE_NAME`, passed on to the token mixer as
         the installed version names it.
@@ -354,7 +392,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             sublayer_input, weights = rule.read(depth, head, norm, sublayer_scores, policy)
             if index and self.starts_block[index]:
                 depth = depth.close_block(self.config.attnres_eps)
-            output = self._run_sublayer(index, sublayer_input, attention_mask, position_embeddings, **kwargs)
+            output = self._run_sublayer(index, sublayer_input, attention_mask or {}, position_embeddings, **kwargs)
             depth = rule.write(depth, output, head, norm)
             depth_weights.append(weights)
 
@@ -446,8 +484,15 @@ class AttnResPreTrainedModel(PreTrainedModel):
         if isinstance(module, RuleModule):  # a rule's own parameters: its module knows their init
             module.init_weights(init)
         else:
-            family_model_cls = family_class(family_of(self.config), "PreTrainedModel")
-            init_weights_as_family(family_model_cls, self.config.text_config, module)
+            family = family_of(self.config)
+            init_weights_as_family(family_class(family, "PreTrainedModel"), self.config.text_config, module)
+            # The buffers the source's model computes (Falcon-H1's), on the module that holds them: a layer itself
+            # holds nothing of its own, so transformers does not initialise it when loading remote code
+            buffers = dict(module.named_buffers(recurse=False))
+            for path, function in family.computed_buffers.items():
+                name = path.rsplit(".", 1)[-1]
+                if name in buffers:
+                    init.copy_(buffers[name], family_part(family, function)(self.config.text_config))
 
     def save_pretrained(self, *args, **kwargs):
         # transformers writes only the saved class's own auto_map entry; loading with AutoModel needs all three.
@@ -529,9 +574,11 @@ class AttnResModel(AttnResPreTrainedModel):
             "sliding_attention": create_sliding_window_causal_mask,
             **dict.fromkeys(RECURRENT_LAYER_TYPES, create_recurrent_attention_mask),
         }
-        # Layers without a token mixer (Nemotron-H's MLP layers) take no mask
-        mixing_types = set(layer_types) - set(family_of(self.config).mlp_layers)
-        return {layer_type: builders[layer_type](**mask_kwargs) for layer_type in mixing_types}
+        # The masks the token mixers take: none for a layer without one (Nemotron-H's MLP layers), one each for a layer
+        # with several (Falcon-H1's Mamba-2 and attention)
+        family = family_of(self.config)
+        mask_types = {mixer.mask for layer_type in set(layer_types) for mixer in family.mixers(layer_type)}
+        return {mask_type: builders[mask_type](**mask_kwargs) for mask_type in mask_types}
 
     def position_embeddings_by_type(
         self, inputs_embeds: torch.Tensor, position_ids: torch.LongTensor, layer_types: list[str]
@@ -563,9 +610,13 @@ class AttnResModel(AttnResPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         text_config, family = self.config.text_config, family_of(self.config)
+        embeddings_given = inputs_embeds is not None
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings()(input_ids)
-        if family.embedding_multiplier_key is not None:  # Granite: applied to given embeddings too, as there
+        # Granite: applied to given embeddings too, as there; Falcon-H1: to those looked up from ids only
+        if family.embedding_multiplier_key is not None and not (
+            embeddings_given and family.embedding_multiplier_on_ids_only
+        ):
             inputs_embeds = inputs_embeds * getattr(text_config, family.embedding_multiplier_key)
         if use_cache and cache is None:
             cache = DynamicCache(config=text_config)
@@ -590,7 +641,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 partial_sum,
                 completed_inv_rms,
                 *completed_blocks,
-                attention_mask=attention_masks.get(layer_type),
+                attention_mask=attention_masks,
                 position_embeddings=position_embeddings[layer_type],
                 position_ids=position_ids,
                 **{CACHE_NAME: cache},

@@ -237,10 +237,17 @@ def test_matrices_of_the_rules_at_their_published_start():
     torch.testing.assert_close(full[visible], torch.cat([torch.full((row,), 1 / row) for row in range(1, 6)]))
 
 
-@pytest.mark.parametrize("rule", ["denseformer", "mhc", "rezero_prenorm", "block", "full"])
-def test_a_converted_model_mixes_as_its_source(rule):
+@pytest.mark.parametrize(
+    "family, rule",
+    [
+        *(("llama", rule) for rule in ("denseformer", "mhc", "rezero_prenorm", "block", "full")),
+        # Falcon-H1's attention sublayer is its Mamba-2 and attention in parallel, their outputs multiplied and summed
+        ("falcon_h1", "rezero_prenorm"),
+    ],
+)
+def test_a_converted_model_mixes_as_its_source(family, rule):
     """An exact conversion starts as PreNorm: M is 1 for every earlier source (mHC within its float rounding)."""
-    converted = convert_to_attnres(tiny_source_model("llama", num_layers=3), mode=rule)
+    converted = convert_to_attnres(tiny_source_model(family, num_layers=3), mode=rule)
     rows = mixing_matrix(converted, text_ids(length=8))
     for row_index, row in enumerate(rows):
         assert row[row_index + 1 :] == [None] * (len(row) - row_index - 1)

@@ -150,8 +150,6 @@ def test_training_steps_lower_the_held_out_loss_as_the_source_s(family):
         ("bert", {}, "post-norm architecture"),
         ("opt", dict(do_layer_norm_before=False), "post-norm architecture"),
         ("falcon", dict(alibi=True), "Falcon with ALiBi"),
-        ("falcon_h1", {}, "Mamba-2 and attention in parallel"),
-        ("olmo_hybrid", {}, "attention layers normalise only their outputs"),
         ("t5", {}, "encoder"),
         ("gpt2", {}, "unsupported family 'gpt2': no row"),
     ],
@@ -193,15 +191,21 @@ def test_each_layer_has_the_residual_branches_of_its_source(family, settings, su
         # Falcon-7B's decoder: one norm for both, one key-value head; Falcon-RW's layout without ALiBi: sequential
         pytest.param("falcon", dict(new_decoder_architecture=False, multi_query=True), 1, marks=pytest.mark.slow),
         pytest.param("falcon", dict(new_decoder_architecture=False, parallel_attn=False), 2, marks=pytest.mark.slow),
+        # OLMo-Hybrid's released checkpoints: no theta, so no RoPE on its attention layers (the tiny model has RoPE)
+        pytest.param(
+            "olmo_hybrid", dict(rope_parameters=dict(rope_type="default", rope_theta=None)), 2, marks=pytest.mark.slow
+        ),
     ],
 )
 def test_the_other_layouts_of_a_family_convert_exactly(family, settings, sublayers):
     """GPT-NeoX with `use_parallel_residual=False` adds attention's output before its MLP reads the stream: the
     two-sublayer layout, exact as the parallel one (test_conversion_reproduces_the_source_within_its_noise). Falcon's
-    old decoder (its tiny model has the new one) runs its attention and MLP in parallel on one norm, or in sequence."""
+    old decoder (its tiny model has the new one) runs its attention and MLP in parallel on one norm, or in sequence.
+    OLMo-Hybrid without a RoPE theta runs its attention without position embeddings, as its source does."""
     source = perturbed_source(family, **settings)
     model = convert_to_attnres(copy.deepcopy(source), block_size=2)
     assert model.config.sublayers_per_layer() == sublayers
+    assert (model.model.rotary_emb is None) == (source.get_decoder().rotary_emb is None)
     report = verify_conversion(source, model, tiny_tokenizer(), new_tokens=24)
     assert report.passed, report.format()
 
@@ -270,3 +274,15 @@ def test_postnorm_needs_one_input_norm_per_branch():
     config = AttnResConfig(text_config=tiny_source_config("gpt_neox", num_layers=2), attnres_mode="postnorm")
     with pytest.raises(AttnResConfigError, match="gpt_neox's one-branch layers have two .*: use another rule"):
         AttnResForCausalLM(config)
+
+
+@pytest.mark.parametrize("family", ["granite", "falcon_h1"])
+def test_given_embeddings_are_multiplied_as_the_source_does(family):
+    """Granite multiplies `inputs_embeds` given to the model by its embedding multiplier, Falcon-H1 only the embedding
+    it looks up from ids: the converted model does what its source does with either input."""
+    source, ids = perturbed_source(family, num_layers=2), random_ids(length=10)
+    model = convert_to_attnres(copy.deepcopy(source), block_size=1)
+    embeddings = source.get_input_embeddings()(ids)
+    with torch.no_grad():
+        for inputs in (dict(input_ids=ids), dict(inputs_embeds=embeddings)):
+            assert (model(**inputs).logits - source(**inputs).logits).abs().max().item() <= 1e-5, inputs.keys()

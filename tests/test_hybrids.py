@@ -5,25 +5,43 @@ cache compiles; assisted decoding works, or is refused, as for the source."""
 import pytest
 import torch
 from test_families import perturbed_source
-from tiny import attnres_twin, family_params, hybrid_families, random_ids, tiny_source_config, tiny_source_model
+from tiny import (
+    attnres_twin,
+    family_params,
+    hybrid_families,
+    random_ids,
+    recurrent_layer_types,
+    tiny_source_config,
+    tiny_source_model,
+)
 
-from attnres.families import RECURRENT_LAYER_TYPES
+from attnres.families import FAMILIES, SUPPORTED_FAMILIES
 
 HYBRIDS = hybrid_families()
+# The one-branch families beside the hybrids (Nemotron-H is both): attention and MLP in parallel on one depth mix
+ONE_BRANCH = [
+    family
+    for family in SUPPORTED_FAMILIES
+    if FAMILIES[family].has_one_branch(tiny_source_config(family, num_layers=2)) and family not in HYBRIDS
+]
 GREEDY = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
 
 
 def test_the_tiny_hybrids_alternate_recurrent_and_attention_layers():
-    assert len(HYBRIDS) == 8, HYBRIDS
+    """Layer 0 holds a recurrent mixer, layer 1 attention; Falcon-H1's every layer holds both, in parallel."""
+    assert len(HYBRIDS) == 10, HYBRIDS
     for family in HYBRIDS:
         layer_types = tiny_source_config(family, num_layers=2).layer_types
-        assert layer_types[0] in RECURRENT_LAYER_TYPES and layer_types[1] == "full_attention", (family, layer_types)
+        mixers = [FAMILIES[family].mixers(kind) for kind in layer_types]
+        assert recurrent_layer_types(family, layer_types)[:1] == layer_types[:1], (family, layer_types)
+        assert "full_attention" in {mixer.mask for mixer in mixers[1]}, (family, layer_types)
 
 
-@pytest.mark.parametrize("family", family_params(HYBRIDS, fast=("bamba",)))
+@pytest.mark.parametrize("family", family_params(HYBRIDS + ONE_BRANCH, fast=("bamba", "gpt_neox")))
 def test_left_padded_batch_matches_single_prompts_and_the_source(family):
-    """Left padding reaches the recurrent mixers as their 2D mask: each padded row generates what the prompt alone
-    does, and what the source generates for the batch. Prompts outrun every convolution window (4 tokens)."""
+    """Left padding reaches the recurrent mixers as their 2D mask (Falcon-H1's beside its attention's 4D mask): each
+    padded row generates what the prompt alone does, and what the source generates for the batch. Prompts outrun
+    every convolution window (4 tokens). The one-branch families too: their attention and MLP read one depth mix."""
     source = perturbed_source(family, num_layers=2)
     model = attnres_twin(source, attnres_block_size=1, attnres_scale_by_num_sources=True)
     prompts = [random_ids(batch=1, length=n, seed=n)[0] for n in (5, 9, 12)]
@@ -38,10 +56,11 @@ def test_left_padded_batch_matches_single_prompts_and_the_source(family):
 
 
 @pytest.mark.slow  # torch.compile: 10 to 30 s a case
-@pytest.mark.parametrize("family", ["lfm2", "bamba", "nemotron_h"])
+@pytest.mark.parametrize("family", ["lfm2", "bamba", "nemotron_h", "olmo_hybrid", "falcon_h1"])
 def test_static_cache_compiled_generation_equals_eager(family, one_thread):
-    """The hybrids' sources compile with a static cache (`_can_compile_fullgraph`); so does the AttnRes model, with
-    trained (random) depth parameters, giving the eager tokens."""
+    """The hybrids' sources compile with a static cache (`_can_compile_fullgraph`; Falcon-H1's says it cannot, from
+    before transformers' static caches had hybrid layers, and under 5.25 compiles to its eager tokens all the same);
+    so does the AttnRes model, with trained (random) depth parameters, giving the eager tokens."""
     torch._dynamo.reset()
     model, prompt = attnres_twin(perturbed_source(family, num_layers=2), seed=2), random_ids(batch=1, length=7)
     eager_tokens = model.generate(prompt, **GREEDY)

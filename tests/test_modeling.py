@@ -16,7 +16,7 @@ from tiny import random_ids as tiny_random_ids
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
 import attnres
-from attnres.configuration_attnres import IMPLEMENTATIONS, AttnResConfigError
+from attnres.configuration_attnres import IMPLEMENTATIONS, AttnResConfigError, layer_types_of
 from attnres.depth_mix_backends import DEPTH_MIX_BACKENDS, DepthMixPolicy, depth_attention, score_completed_blocks
 from attnres.depth_mixing import DepthAttention, DepthState, inverse_rms
 from attnres.depth_rules import AttnResKeyNorm, AttnResPseudoQuery, AttnResQueryProjection, AttnResSourceLogits
@@ -42,7 +42,11 @@ def test_zero_queries_reproduce_source_exactly(family):
 INPUT_NORM_FAMILIES = [
     family
     for family in SUPPORTED_FAMILIES
-    if FAMILIES[family].attention_input_norm is not None and family not in ("deepseek_v3", "lfm2_moe")
+    if all(
+        FAMILIES[family].norms(layer_type).attention_input_norm is not None
+        for layer_type in layer_types_of(tiny_source_config(family))
+    )
+    and family not in ("deepseek_v3", "lfm2_moe")
 ]
 
 

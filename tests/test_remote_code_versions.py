@@ -106,8 +106,9 @@ def test_oldest_supported_transformers_generates_the_same_tokens(tmp_path):
 
 
 def test_hybrids_on_the_oldest_transformers_stop_naming_the_version_they_need(tmp_path):
-    """The hybrids need a newer transformers than the other families (their recurrent layers' calls): their saved
-    config stops at load, naming it, rather than failing inside a forward pass."""
+    """The hybrids (their recurrent layers' calls), GPT-J and CodeGen (their rotary module) and Falcon (its attention
+    without `alibi`) need a newer transformers than the other families: their saved config stops at load, naming it,
+    rather than failing inside a forward pass."""
     python = python_named_by("ATTNRES_OLDEST_TRANSFORMERS_PYTHON")
     newer = sorted(set(SUPPORTED_FAMILIES) - set(families_on(OLDEST_TRANSFORMERS)))
     assert newer, "every family runs on the oldest transformers: this test has nothing left to check"

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, PreTrai
 
 import attnres
 from attnres.auto import is_attnres_parameter
-from attnres.families import RECURRENT_LAYER_TYPES
+from attnres.families import FAMILIES, RECURRENT_LAYER_TYPES
 from attnres_cli.command import main
 
 VOCAB = 96
@@ -146,6 +146,23 @@ FAMILY_OVERRIDES = {
         linear_attn_config=dict(num_heads=4, head_dim=16, short_conv_kernel_size=4),
         **TINY_MLA,
     ),
+    "olmo_hybrid": dict(  # RoPE, which the layers take where the config sets a theta; NoPE in test_families.py
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16
+    ),
+    # Mamba-2 and attention in parallel in every layer; its muP multipliers away from 1, so that a misplaced one shows
+    "falcon_h1": dict(
+        **TINY_MAMBA2,
+        mamba_d_ssm=128,
+        embedding_multiplier=2.0,
+        lm_head_multiplier=0.5,
+        mlp_multipliers=[0.8, 1.2],
+        key_multiplier=0.7,
+        attention_in_multiplier=1.3,
+        attention_out_multiplier=0.6,
+        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05],
+        ssm_in_multiplier=1.2,
+        ssm_out_multiplier=0.7,
+    ),
     # Mamba-2 layers (Bamba, GraniteMoeHybrid) and Mamba layers (Jamba) at the even indices, attention at the odd
     "bamba": dict(attn_layer_indices=[1, 3, 5, 7, 9], **TINY_MAMBA2),
     "granitemoehybrid": dict(
@@ -193,6 +210,7 @@ HYBRID_LAYER_TYPES = {
     "lfm2_moe": "conv",
     "kimi_linear": "linear_attention",
     "granitemoehybrid": "linear_attention",
+    "olmo_hybrid": "linear_attention",
 }
 # `attnres train` options for a tiny model on a tiny corpus: a few seconds per run on one CPU core
 TINY_RUN = dict(
@@ -221,12 +239,19 @@ MODEL_CODE = (
 )
 
 
+def recurrent_layer_types(family: str, layer_types) -> list[str]:
+    """The layer types of `layer_types` whose layers hold a recurrent token mixer (Falcon-H1's "hybrid": one beside
+    their attention)."""
+    mixers = FAMILIES[family].mixers
+    return [kind for kind in layer_types if any(mixer.mask in RECURRENT_LAYER_TYPES for mixer in mixers(kind))]
+
+
 def hybrid_families() -> list[str]:
     """The supported families whose tiny models have recurrent token mixers."""
     return [
         family
         for family in attnres.SUPPORTED_FAMILIES
-        if set(getattr(tiny_source_config(family), "layer_types", None) or ()) & set(RECURRENT_LAYER_TYPES)
+        if recurrent_layer_types(family, getattr(tiny_source_config(family), "layer_types", None) or ())
     ]
 
 
