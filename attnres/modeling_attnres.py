@@ -270,7 +270,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     def _head(self, sublayer: str) -> tuple[nn.Module, ...]:
         # The parts the sublayer has: a rule may learn nothing for some (DenseFormer: for attention sublayers)
         names = (f"{sublayer}_res_{part}" for part in self.rule.parts)
-        return tuple(getattr(self, name) for name in names if name in self._modules)
+        children = dict(self.named_children())
+        return tuple(children[name] for name in names if name in children)
 
     def _norm(self, name: str | None, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states if name is None else getattr(self, name)(hidden_states)

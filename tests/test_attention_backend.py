@@ -69,7 +69,9 @@ def test_every_layer_calls_the_registered_attention_with_the_call_kwargs(family)
     attention_modules = [module for module, _ in counting_attention.calls]
     # Each attention layer once, in order (hybrids: not their recurrent layers)
     attention_layers = [layer for layer in model.model.layers if layer.layer_type not in RECURRENT_LAYER_TYPES]
-    assert attention_modules == [layer.self_attn for layer in attention_layers]
+    # each layer's attention under the source's name (`self_attn`; GPT-NeoX: `attention`, GPT-J: `attn`, ...)
+    attention_name = family_of(model.config).attention
+    assert attention_modules == [getattr(layer, attention_name) for layer in attention_layers if layer.mixers]
     assert all(kwargs["engine_metadata"] == "from the model call" for _, kwargs in counting_attention.calls)
     assert torch.equal(logits, expected), (logits - expected).abs().max().item()
 

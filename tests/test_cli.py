@@ -137,7 +137,7 @@ def test_the_command_and_the_library_share_one_declaration_of_rules_families_and
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
     assert child.stdout.split() == ["True"] * 4
-    assert len(cli.SUPPORTED_FAMILIES) == 34 and cli.MODES == tuple(options.RULES)
+    assert len(cli.SUPPORTED_FAMILIES) == 36 and cli.MODES == tuple(options.RULES)
     assert options.FROM_SCRATCH_ONLY == ("postnorm", "rezero", "highway")
 
 
