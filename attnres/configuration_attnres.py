@@ -277,6 +277,9 @@ class AttnResConfig(PreTrainedConfig):
     """
 
     model_type = "attnres"
+    # The layer types are the source's (`text_config.layer_types`), checked by its own class; read through this
+    # config, transformers' generic check would refuse types only the source allows (Nemotron-H's "mlp")
+    layer_types = None
     sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
 
     text_config: dict | PreTrainedConfig | None = None
