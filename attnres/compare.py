@@ -308,6 +308,8 @@ def training_config(config: CompareConfig, run: ArmRun, study: Path, processes: 
         convert=arm.rule is not None,
         mode=arm.rule or "block",
         from_scratch=config.from_scratch,
+        layers=config.layers,
+        hidden_size=config.hidden_size,
         dataset=str(split_folder(study, run.seed)),
         eval_split="validation",
         seed=run.seed,
@@ -552,6 +554,7 @@ def prepare(config: CompareConfig, study: Path) -> None:
     """Check the study folder and write what the runs read: the settings and each seed's split. Several workers
     starting together take turns here; the first writes, the others find its study."""
     check_output_dir(study, OptionError, {"the model": config.source, "the data": config.data}, None)
+    architecture(config)  # a shrink the source cannot take is refused before anything is written
     documents = load_corpus(config.data, config.text_field)
     settings = study_settings(config, documents)
     study_lock = study.resolve().with_name(f".{study.resolve().name}.setup.lock")  # beside it: nothing inside yet
@@ -627,6 +630,7 @@ def results_written(config: CompareConfig, study: Path) -> dict[str, Any]:
         "runs": runs,
         "comparisons": comparisons(runs, config.baseline),
         "attnres_version": __version__,
+        "architecture": architecture(config),
     }
     if config.grid():
         results["lr_grid"] = {}
@@ -646,6 +650,19 @@ def results_written(config: CompareConfig, study: Path) -> dict[str, Any]:
     return results
 
 
+def architecture(config: CompareConfig) -> dict[str, int]:
+    """The shape the arms share: the source's architecture, shrunk as --layers and --hidden-size ask (as `attnres
+    train` shrinks it) -> its layers, hidden size and parameters (the source family's own: each rule adds its few)."""
+    from .shrink import parameter_count, shrunk_config
+    from .sources import load_source_config, resolve_source
+
+    path, gguf_file = resolve_source(config.source, None)
+    source_config = load_source_config(path, gguf_file, config.trust_remote_code)
+    shape = shrunk_config(source_config, config.layers, config.hidden_size)
+    return {"layers": shape.num_hidden_layers, "hidden_size": shape.hidden_size,
+            "parameters": parameter_count(shape, config.trust_remote_code)}  # fmt: skip
+
+
 def measured_once(path: Path, measure: typing.Callable[[], Any]) -> Any:
     """What `path` holds, measured and written there the first time (a rerun repeats no measurement)."""
     if not path.is_file():
@@ -657,8 +674,9 @@ def measured_once(path: Path, measure: typing.Callable[[], Any]) -> Any:
 def measure_cost(config: CompareConfig, study: Path) -> dict[str, Any]:
     """Each arm's training step against the baseline's, on this machine's device: the initial models of seed 0, one
     batch of the study's shape, `--cost-pairs` interleaved pairs after warm-up (`attnres.cost`) -> by arm, the
-    median seconds of each and of their ratio, and the peak device memory of a step where the device counts it."""
-    from .cost import interleaved_ratio, step_peak_memory, training_step
+    median seconds of each and of their ratio, and the memory of a step of each and their ratio (the peak on a CUDA
+    device, else the bytes a step holds: `attnres.cost.step_memory`)."""
+    from .cost import interleaved_ratio, step_memory, training_step
     from .training.recipe import load_model, make_trainable
 
     if config.cost_pairs == 0:
@@ -682,13 +700,19 @@ def measure_cost(config: CompareConfig, study: Path) -> dict[str, Any]:
         model = initial_model(arm)
         step = training_step(model, ids, "eager")
         timed = interleaved_ratio(baseline_step, step, config.cost_pairs, COST_WARMUP, str(device))
-        memory = {"baseline": step_peak_memory(baseline_step, str(device)), "arm": step_peak_memory(step, str(device))}
+        baseline_bytes, measure = step_memory(baseline, ids, baseline_step)
+        arm_bytes, _ = step_memory(model, ids, step)
         cost[arm.name] = {
             "device": str(device),
             "baseline_s": timed["source_s"],
             "arm_s": timed["attnres_s"],
             "ratio": timed["ratio"],
-            "peak_memory_bytes": memory if memory["arm"] is not None else None,
+            "step_memory": {
+                "baseline_bytes": baseline_bytes,
+                "arm_bytes": arm_bytes,
+                "ratio": arm_bytes / baseline_bytes,
+                "measure": measure,
+            },  # fmt: skip
         }
         del model, step
     return cost
@@ -746,14 +770,13 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-def cost_cell(cost: dict[str, Any] | None) -> str:
+def cost_cells(cost: dict[str, Any] | None) -> list[str]:
+    """An arm's step time and step memory against the baseline's, as the table shows them."""
     if cost is None:
-        return "–"
-    cell = f"{cost['ratio']:.2f}x ({cost['arm_s'] * 1000:.1f} ms)"
-    if cost["peak_memory_bytes"] is not None:
-        memory = cost["peak_memory_bytes"]
-        cell += f", memory {memory['arm'] / memory['baseline']:.2f}x"
-    return cell
+        return ["–", "–"]
+    memory = cost.get("step_memory")  # a study whose cost was measured before step memory was
+    memory_cell = "–" if memory is None else f"{memory['ratio']:.2f}x ({memory['arm_bytes'] / 2**20:.1f} MiB)"
+    return [f"{cost['ratio']:.2f}x ({cost['arm_s'] * 1000:.1f} ms)", memory_cell]
 
 
 def write_report(config: CompareConfig, results: dict[str, Any], study: Path) -> None:
@@ -765,6 +788,8 @@ def write_report(config: CompareConfig, results: dict[str, Any], study: Path) ->
     for run in runs:
         by_arm.setdefault(run["arm"], []).append(run)
     baseline_cpu = [r["cpu_seconds_per_step"] for r in by_arm[config.baseline] if r["cpu_seconds_per_step"]]
+    memory = next((cost["step_memory"] for cost in results["cost"].values() if "step_memory" in cost), None)
+    baseline_cells = ["1.00x", "1.00x" + (f" ({memory['baseline_bytes'] / 2**20:.1f} MiB)" if memory else "")]
     rows = []
     for arm, group in by_arm.items():
         losses = [run["test_loss"] for run in group]
@@ -781,15 +806,21 @@ def write_report(config: CompareConfig, results: dict[str, Any], study: Path) ->
                      verdict(comparison)]  # fmt: skip
         cpu_cell = f"{statistics.mean(cpu):.3f}{ratio}" if cpu else "–"
         row = [arm, str(len(group)), f"{group[0]['lr']:g}", spread, *cells, cpu_cell]
-        rows.append(row + [cost_cell(results["cost"].get(arm)) if arm != config.baseline else "1.00x"])
+        rows.append(row + (cost_cells(results["cost"].get(arm)) if arm != config.baseline else baseline_cells))
     header = ["arm", "seeds", "lr", "test loss (mean ± sd)", f"Δ vs {config.baseline}, same seed [95% CI]", "p",
-              "p (Holm)", "reading", "CPU s per step (runs)", "step time vs baseline (interleaved)"]  # fmt: skip
+              "p (Holm)", "reading", "CPU s per step (runs)", "step time vs baseline (interleaved)",
+              "step memory vs baseline"]  # fmt: skip
     shared = [split["shared_with_train"] for split in results["splits"].values()]
     split_line = ", ".join(
         f"{name} {min(s[name] for s in shared):.1%} to {max(s[name] for s in shared):.1%}"
         for name in ("validation", "test")
     )
+    shape = results["architecture"]
     start = "random weights of the source's architecture" if config.from_scratch else "the checkpoint"
+    if config.layers is not None or config.hidden_size is not None:
+        start += " shrunk"
+    layers = f"{shape['layers']} layer" + "s" * (shape["layers"] != 1)
+    start += f" ({layers}, hidden size {shape['hidden_size']}, {shape['parameters']:,} parameters)"
     rates = "each arm at its own learning rate (chosen on validation, below)" if config.grid() else (
         f"learning rate {config.lr:g}")  # fmt: skip
     arm_names = [arm.name for arm in config.arms()]
@@ -807,7 +838,8 @@ def write_report(config: CompareConfig, results: dict[str, Any], study: Path) ->
         "t-test's, Holm's adjusts it over the study's comparisons, and the reading follows Holm's p. CPU s per step "
         "is the median of the runs' own CPU time per step; the step time is the median ratio of interleaved pairs of "
         f"training steps of the initial models against the baseline's ({config.cost_pairs} pairs on "
-        f"{next(iter(results['cost'].values()), {}).get('device', 'no device')}).",
+        f"{next(iter(results['cost'].values()), {}).get('device', 'no device')})"
+        + (f"; the step memory, the {memory['measure']}." if memory else "."),
         "",
     ]
     if "lr_grid" in results:

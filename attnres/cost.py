@@ -1,7 +1,9 @@
 """What a model costs beside another of the same architecture: training steps timed in interleaved pairs (A B A B
 ...), after warm-up, so that the machine's load and clock weigh on both alike, and the median of the per-pair ratios;
-the peak memory of a training step where the device tells it (CUDA). `benchmarks/overhead.py` measures the rules
-against their source with these, and `attnres compare` each arm against its baseline on the user's architecture.
+the memory of a training step: its peak where the device counts it (CUDA), else the bytes a step holds (its saved
+activations, counted through `saved_tensors_hooks`, and the parameters, gradients and optimizer state), which depend
+on shapes and dtypes only. `benchmarks/overhead.py` measures the rules against their source with these, and `attnres
+compare` each arm against its baseline on the user's architecture.
 
 torch and the standard library only.
 """
@@ -83,13 +85,57 @@ def training_step(model: torch.nn.Module, ids: torch.Tensor, world: str, autocas
     return step
 
 
-def step_peak_memory(step: Callable, device: str) -> int | None:
-    """Peak bytes allocated on the device during one call of `step` (after its optimizer state exists: call it once
-    before), or None where the device keeps no such count (the CPU, whose resident set is the whole process's)."""
-    if not device.startswith("cuda"):
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+# How `step_memory` measured: on CUDA devices, and elsewhere
+PEAK_ALLOCATED = "peak bytes allocated on the GPU during a step (torch.cuda.max_memory_allocated)"
+HELD_BY_A_STEP = (
+    "bytes a step holds: its saved activations (counted through saved_tensors_hooks), the parameters, their "
+    "gradients and AdamW's state"
+)
+
+
+def step_memory(model: torch.nn.Module, ids: torch.Tensor, step: Callable) -> tuple[int, str]:
+    """The memory of a training step of `model` on `ids` -> (bytes, how they were had): on a CUDA device the peak
+    allocated during a call of `step` (after its optimizer state exists: call it once before); elsewhere, where no
+    peak is counted (the CPU's resident set is the whole process's), `held_by_a_step`."""
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(), PEAK_ALLOCATED
+    return held_by_a_step(model, ids), HELD_BY_A_STEP
+
+
+def held_by_a_step(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Bytes one AdamW training step of `model` on `ids` holds at its height: the activations its forward saves for
+    the backward, every parameter, the gradients and the optimizer's state (of the parameters that train). A count of
+    tensors, the same on any device and under any load; it takes an optimizer step of its own."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    activations = saved_activation_bytes(model, ids)
+    parameters = list(model.parameters())
+    gradients = sum(p.grad.nbytes for p in parameters if p.grad is not None)
+    optimizer.step()
+    state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    optimizer.zero_grad(set_to_none=True)
+    return activations + sum(p.nbytes for p in parameters) + gradients + state
+
+
+def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, autocast: bool = False) -> int:
+    """Bytes of the distinct non-parameter tensors that autograd saves in one training forward of `model` (the
+    backward runs too, leaving the gradients)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+        in_precision(autocast, str(input_ids.device)),
+    ):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    return sum(saved.values())

@@ -116,6 +116,18 @@ def check_rule_options(mode: str, block_size: int | None, options) -> None:
             )
 
 
+# --layers and --hidden-size, of `attnres train --from-scratch` and `attnres compare --from-scratch` (attnres.shrink)
+LAYERS_HELP = (
+    "with --from-scratch: the source's architecture cut to its first N decoder layers (its per-layer lists, such as "
+    "layer_types, cut with it)"
+)
+HIDDEN_SIZE_HELP = (
+    "with --from-scratch: the source's architecture narrowed to this hidden size: every attention head kept, each "
+    "hidden size / heads wide (an even width: a size that gives none is refused with the sizes that do), the MLP "
+    "widths in proportion"
+)
+
+
 @dataclass
 class TrainingConfig:
     """Options of `attnres train`, one per field (`seq_len` is `--seq-len`); `train(**options)` takes the same names.
@@ -152,6 +164,8 @@ class TrainingConfig:
             "each rule publishes (MODEL's weights are not read)"
         },
     )
+    layers: int | None = field(default=None, metadata={"help": LAYERS_HELP, "metavar": "N"})
+    hidden_size: int | None = field(default=None, metadata={"help": HIDDEN_SIZE_HELP, "metavar": "D"})
     block_size: int | None = field(
         default=None, metadata={"help": "decoder layers per block, with --convert (default: about 8 blocks)"}
     )
@@ -293,6 +307,11 @@ class TrainingConfig:
                 "--mode, --block-size, --from-scratch and the rule options (--query, --score, --no-key-norm, "
                 "--depth-heads, --window, --num-streams) choose how --convert converts: add --convert, or drop them"
             )
+        if (self.layers is not None or self.hidden_size is not None) and not self.from_scratch:
+            raise TrainingError(
+                "--layers and --hidden-size shrink the architecture of a model trained from random weights: add "
+                "--convert --from-scratch, or drop them"
+            )
         check_rule_options(self.mode, self.block_size, self)
         if self.train == "attnres" and self.convert and self.mode in PARAMETERLESS_MODES:
             raise TrainingError(
@@ -415,6 +434,8 @@ class CompareConfig:
             f"the source computes ({', '.join(FROM_SCRATCH_ONLY)})"
         },
     )
+    layers: int | None = field(default=None, metadata={"help": LAYERS_HELP, "metavar": "N"})
+    hidden_size: int | None = field(default=None, metadata={"help": HIDDEN_SIZE_HELP, "metavar": "D"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate of every arm's weights"})
     attnres_lr: float | None = field(
         default=None,
@@ -500,6 +521,11 @@ class CompareConfig:
             raise OptionError(
                 f"{', '.join(cannot_start)} cannot start as the source computes, so it cannot continue the checkpoint: "
                 "add --from-scratch to train every arm from random weights, or drop it from --rules"
+            )
+        if (self.layers is not None or self.hidden_size is not None) and not self.from_scratch:
+            raise OptionError(
+                "--layers and --hidden-size shrink the source for a study from random weights: add --from-scratch, "
+                "or drop them"
             )
         if self.from_scratch and any(arm.rule is None for arm in arms):
             raise OptionError(

@@ -15,7 +15,6 @@ decode uses the static cache with a compiled forward; the compile time (the firs
 """
 
 import argparse
-import contextlib
 import copy
 import functools
 import json
@@ -40,6 +39,7 @@ from attnres.cost import (  # noqa: F401 (synchronize: the compile-time script r
     in_world,
     interleaved_ratio,
     keep_freed_memory,
+    saved_activation_bytes,
     synchronize,
     training_step,
 )
@@ -281,31 +281,14 @@ def benchmark_row(name: str, mode: str, world: str, autocast: str, args: argpars
 
 
 # Saved activations: the bytes autograd keeps for the backward pass, counted through saved_tensors_hooks (distinct
-# storages, parameters excluded). They depend on shapes and dtypes only, not on the device or the machine's load.
+# storages, parameters excluded: `attnres.cost.saved_activation_bytes`). They depend on shapes and dtypes only, not
+# on the device or the machine's load.
 PRECISIONS = {  # name -> (weights dtype, bf16 autocast)
     "bf16 weights": (torch.bfloat16, False),
     "fp32 weights, bf16 autocast": (torch.float32, True),
     "fp32": (torch.float32, False),
 }
 MEMORY_SETTINGS = ("plain", "gradient checkpointing", "gradient checkpointing (reentrant)", "attnres_recompute")
-
-
-def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, autocast: bool) -> int:
-    """Bytes of the distinct non-parameter tensors that autograd saves in one training forward of `model`."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    precision = torch.autocast(input_ids.device.type, torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), precision:
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-    loss.backward()
-    return sum(saved.values())
 
 
 def saved_memory_ratio(

@@ -295,12 +295,10 @@ def stage_compare(work: Path, dry_run: bool) -> list[tuple]:
     results = compare(source=source, data=str(documents), output_dir=str(study), rules="prenorm,block", seeds=1,
                       **held_out, **shape)  # fmt: skip
     cost = results["cost"]["block"]
-    memory = cost["peak_memory_bytes"]
-    memory_ratio = "-" if memory is None else f"{memory['arm'] / memory['baseline']:.3f}x"
     comparison = results["comparisons"][0]
     figures = (
-        f"step {cost['ratio']:.3f}x on {cost['device']}, peak memory {memory_ratio}; test loss block - prenorm "
-        f"{comparison['mean']:+.4f}; depth-mixing matrices {', '.join(results['mixing_matrices'])}"
+        f"step {cost['ratio']:.3f}x on {cost['device']}, step memory {cost['step_memory']['ratio']:.3f}x; test "
+        f"loss block - prenorm {comparison['mean']:+.4f}; depth-mixing matrices {', '.join(results['mixing_matrices'])}"
     )
     return [("compare", f"prenorm vs block, 1 seed, {shape['tokens']:,} tokens", figures, "runs; step <= 1.05x")]
 

@@ -115,7 +115,7 @@ def test_results_recompute_from_the_runs(study):
     for rule in ("block", "full"):  # timed against the baseline's step on the same batch, in interleaved pairs
         cost = results["cost"][rule]
         assert cost["ratio"] > 0 and cost["arm_s"] > 0 and cost["device"] == "cpu"
-        assert cost["peak_memory_bytes"] is None  # counted on CUDA devices only
+        assert cost["step_memory"]["measure"].startswith("bytes a step holds")  # not the peak: the CPU counts none
     for rule in ("prenorm", "block", "full"):  # the trained seed-0 model's depth-mixing matrix, drawn
         rows = results["mixing_matrices"][rule]["rows"]
         assert len(rows) == 2 * 2 + 1 and (study / f"mixing-{rule}.png").stat().st_size > 0
@@ -176,9 +176,169 @@ def test_from_scratch_arms_of_a_seed_start_from_the_same_weights(inputs):
                            models["prenorm"]["model.embed_tokens.weight"])  # fmt: skip
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# From scratch at a smaller scale: --layers, --hidden-size
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def shrunk_from_scratch(inputs: Path, rule: str, seed: int = 3, **shrink) -> torch.nn.Module:
+    """The initial model of `rule` at `seed`, from scratch, shrunk as `attnres train` builds it."""
+    from transformers import set_seed
+
+    from attnres.training.recipe import load_model
+
+    set_seed(seed)  # as `attnres train` does before it builds the model
+    return load_model(TrainingConfig(output_dir="unused", model=str(inputs / "model"), convert=True, mode=rule,
+                                     from_scratch=True, seed=seed, **shrink))  # fmt: skip
+
+
+def test_a_shrunk_model_has_the_asked_shape_and_parameters(inputs):
+    from attnres.shrink import parameter_count, shrunk_config
+
+    model = shrunk_from_scratch(inputs, "prenorm", layers=1, hidden_size=16)
+    text = model.config.get_text_config()
+    vocab = text.vocab_size
+    assert (text.num_hidden_layers, text.hidden_size, text.head_dim, text.intermediate_size) == (1, 16, 8, 32)
+    assert (text.num_attention_heads, text.num_key_value_heads) == (2, 2)  # the heads kept, each 16 / 2 wide
+    assert len(model.model.layers) == 1 and model.get_input_embeddings().weight.shape == (vocab, 16)
+    # The tied embedding, one layer (q, k, v, o of 16 x 16; gate, up, down of 16 x 32; two norms), the final norm
+    expected = vocab * 16 + (4 * 16 * 16 + 3 * 16 * 32 + 2 * 16) + 16
+    assert sum(p.numel() for p in model.parameters()) == expected == 6_752  # with the 259 bytes and marks of ByT5
+    source = LlamaConfig.from_pretrained(inputs / "model")
+    assert parameter_count(shrunk_config(source, 1, 16)) == expected  # PreNorm adds none: the Llama's own count
+    assert shrunk_config(source, None, None).to_dict() == source.to_dict()  # no shrink asked: the source's
+
+
+def test_the_shrunk_arms_of_a_seed_start_from_the_same_weights(inputs):
+    prenorm = dict(shrunk_from_scratch(inputs, "prenorm", layers=1, hidden_size=16).named_parameters())
+    full = dict(shrunk_from_scratch(inputs, "full", layers=1, hidden_size=16).named_parameters())
+    assert prenorm.keys() < full.keys()  # Full adds its pseudo-queries and key norms
+    for name in prenorm:
+        assert torch.equal(prenorm[name], full[name]), name
+    other_seed = shrunk_from_scratch(inputs, "prenorm", seed=4, layers=1, hidden_size=16)
+    assert not torch.equal(dict(other_seed.named_parameters())["model.embed_tokens.weight"],
+                           prenorm["model.embed_tokens.weight"])  # fmt: skip
+
+
+def test_every_family_shrinks_its_per_layer_lists_or_is_refused_in_one_line():
+    from transformers import AutoConfig
+
+    from attnres.families import FAMILIES
+    from attnres.shrink import shrunk_config
+
+    refused = {}
+    for model_type in FAMILIES:
+        source = AutoConfig.for_model(model_type)
+        try:
+            shrunk = shrunk_config(source, 2, None)
+        except OptionError as error:
+            refused[model_type] = str(error)
+            continue
+        assert shrunk.num_hidden_layers == 2, model_type
+        per_layer = [value for value in shrunk.to_dict().values() if isinstance(value, list) and len(value) > 2]
+        assert not any(len(value) == source.num_hidden_layers for value in per_layer), model_type
+        if getattr(shrunk, "layer_types", None) is not None:
+            assert shrunk.layer_types == source.layer_types[:2], model_type
+    # OLMo-Hybrid's first two layers are DeltaNet layers, and its config wants an attention layer
+    assert refused == {"olmo_hybrid": "--layers 2: the source's config class (olmo_hybrid) refuses the shrunk "
+                       "architecture: OLMoHybrid expects at least one attention layer; choose other sizes"}  # fmt: skip
+    # Layer-index lists keep the indices below the new depth
+    moe = shrunk_config(AutoConfig.for_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[0, 3]), 2, None)
+    assert moe.mlp_only_layers == [0]
+
+
+SHRINK_MISTAKES = {
+    "more layers than the source's": ({"layers": 3}, "--layers 3: the source has 2 layers; pass 1 to 2"),
+    "a wider model": ({"hidden_size": 64}, "--hidden-size 64: the source's is 32; pass at most 32"),
+    "a width the heads do not divide": ({"hidden_size": 10}, "pass a multiple of 4: 8 or 12"),
+}
+
+
+@pytest.mark.parametrize("mistake", SHRINK_MISTAKES)
+def test_each_shrink_mistake_names_the_fix(mistake, inputs):
+    shrink, words = SHRINK_MISTAKES[mistake]
+    with pytest.raises(OptionError, match=words):
+        shrunk_from_scratch(inputs, "prenorm", **shrink)
+
+
+def test_a_shrink_is_refused_where_a_width_does_not_follow_the_hidden_size_or_a_list_is_unknown():
+    from transformers import AutoConfig
+
+    from attnres.errors import TrainingError
+    from attnres.shrink import shrunk_config
+
+    with pytest.raises(OptionError, match=r"\(deepseek_v3\) sets widths of its own \(q_lora_rank, kv_lora_rank"):
+        shrunk_config(AutoConfig.for_model("deepseek_v3"), None, 256)
+    unknown = LlamaConfig(num_hidden_layers=3, layer_scales=[1.0, 0.5, 0.25])
+    with pytest.raises(OptionError, match="holds layer_scales, a list of one entry per layer"):
+        shrunk_config(unknown, 2, None)
+    with pytest.raises(TrainingError, match="add --convert --from-scratch"):
+        TrainingConfig(output_dir="o", convert=True, layers=2)
+    with pytest.raises(OptionError, match="add --from-scratch"):
+        CompareConfig(source="m", data="d", output_dir="o", hidden_size=64)
+
+
+SHRUNK_STUDY = (
+    "--from-scratch --layers 1 --hidden-size 16 --rules prenorm,full --seeds 1 --tokens 512 --seq-len 64 "
+    "--batch-size 4 --evaluations 1 --eval-sequences 4 --held-out-documents 4 --held-out-bytes 4000 --cost-pairs 2"
+).split()
+
+
+def direct_step_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """What a training step of `model` holds, counted here by hand: the storages autograd saves (not parameters'),
+    then every parameter, and for each that trains its gradient, AdamW's two moments and its float32 step count."""
+    saved = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=ids, labels=ids).loss.backward()
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    activations = sum(size for pointer, size in saved.items() if pointer not in parameters)
+    return activations + sum(p.nbytes for p in model.parameters()) + sum(3 * p.nbytes + 4 for p in trained)
+
+
+@pytest.mark.slow  # a study of 2 arms, 2 steps each: about 40 s of CPU
+def test_a_shrunk_study_records_its_shape_and_each_arm_s_step_memory(inputs):
+    done = attnres_command("model", "--data", "docs", "--output-dir", "shrunk", *SHRUNK_STUDY, cwd=inputs)
+    assert done.returncode == 0, done.stderr[-2000:]
+    study = inputs / "shrunk"
+    results = json.loads((study / "results.json").read_text())
+    parameters = sum(p.numel() for p in shrunk_from_scratch(inputs, "prenorm", layers=1, hidden_size=16).parameters())
+    assert results["architecture"] == {"layers": 1, "hidden_size": 16, "parameters": parameters}
+    trained = json.loads((study / "runs" / "full-seed0-lr0.001" / "config.json").read_text())["text_config"]
+    assert (trained["num_hidden_layers"], trained["hidden_size"]) == (1, 16)
+    report = (study / "report.md").read_text()
+    assert f"shrunk (1 layer, hidden size 16, {parameters:,} parameters)" in report
+    # Full saves more for the backward than PreNorm, and has parameters of its own: its step holds more
+    memory = results["cost"]["full"]["step_memory"]
+    assert memory == json.loads((study / "cost.json").read_text())["full"]["step_memory"]
+    assert memory["measure"].startswith("bytes a step holds") and memory["measure"] in report
+    ids = torch.zeros(4, 64, dtype=torch.long)  # the study's batch shape: the bytes depend on shapes alone
+    direct = {rule: direct_step_bytes(shrunk_from_scratch(inputs, rule, seed=0, layers=1, hidden_size=16), ids)
+              for rule in ("prenorm", "full")}  # fmt: skip
+    assert (memory["baseline_bytes"], memory["arm_bytes"]) == (direct["prenorm"], direct["full"])
+    assert memory["ratio"] == direct["full"] / direct["prenorm"] > 1
+    assert f"| {memory['ratio']:.2f}x ({direct['full'] / 2**20:.1f} MiB) |" in report
+    # Another shrink on the same folder is another study
+    listing = sorted(study.rglob("*"))
+    shrink = SHRUNK_STUDY.index("--hidden-size") + 1
+    other = [*SHRUNK_STUDY[:shrink], "8", *SHRUNK_STUDY[shrink + 1 :]]
+    done = attnres_command("model", "--data", "docs", "--output-dir", "shrunk", *other, cwd=inputs)
+    assert done.returncode == 1 and "holds a study with other settings (hidden_size)" in done.stderr, done.stderr
+    assert sorted(study.rglob("*")) == listing
+
+
 MISTAKES = {
     "a rule that cannot start as the checkpoint": (
         ["--rules", "prenorm,highway"], "highway cannot start as the source computes"),
+    "a shrink without --from-scratch": (["--layers", "1"], "--layers and --hidden-size shrink the source"),
+    "a hidden size the heads do not divide": (
+        ["--from-scratch", "--hidden-size", "18"], "each hidden_size / 2 wide, a multiple of 2 (an even width for the "
+        "rotary embedding); pass a multiple of 4: 16 or 20"),
     "the baseline not among the rules": (["--rules", "block,full"], "--baseline prenorm is not among --rules"),
     "an unknown rule": (["--rules", "prenorm,blok"], "no rule blok"),
     "a budget below one step": (["--tokens", "10"], "less than one step"),

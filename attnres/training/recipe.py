@@ -15,6 +15,7 @@ from ..conversion import attnres_config_for, convert_to_attnres
 from ..errors import TrainingError
 from ..modeling_attnres import AttnResForCausalLM
 from ..options import DEFAULT_SOURCE, SCHEDULERS, TrainingConfig
+from ..shrink import shrunk_config
 from ..sources import load_source, load_source_config, resolve_source
 
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -32,7 +33,8 @@ def is_attnres(model: nn.Module) -> bool:
 def load_model(config: TrainingConfig) -> PreTrainedModel:
     """The model to train, in float32 (mixed precision is Accelerate's autocast): AttnRes (with the installed classes,
     never the folder's copy), converted, built from the source's architecture with random weights (`--from-scratch`),
-    or as is (a model that needs code of its own: `--trust-remote-code`)."""
+    shrunk with `--layers` and `--hidden-size` (`attnres.shrink`), or as is (a model that needs code of its own:
+    `--trust-remote-code`)."""
     path, gguf_file = model_location(config)
     if not config.convert:
         return load_source(path, torch.float32, gguf_file, config.trust_remote_code)
@@ -40,8 +42,9 @@ def load_model(config: TrainingConfig) -> PreTrainedModel:
     if source_config.model_type == "attnres":
         raise TrainingError(f"{path} is already an AttnRes model; drop --convert")
     if config.from_scratch:
+        architecture = shrunk_config(source_config, config.layers, config.hidden_size)
         attnres_config = attnres_config_for(
-            source_config, config.mode, config.block_size, exact_start=False, options=config.rule_options()
+            architecture, config.mode, config.block_size, exact_start=False, options=config.rule_options()
         )
         return AttnResForCausalLM(attnres_config).float()
     if is_deepspeed_zero3_enabled():  # set by the Accelerator: from_pretrained now partitions what it loads
