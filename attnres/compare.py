@@ -827,7 +827,7 @@ def write_report(config: CompareConfig, results: dict[str, Any], study: Path) ->
     lines = [
         f"# {', '.join(arm_names)} on {config.source}",
         "",
-        f"{config.seeds} seeds x {len(arm_names)} arms, each arm from {start}, {runs[0]['tokens']:,} training tokens, "
+        f"{config.seeds} seed{'s' * (config.seeds > 1)} x {len(arm_names)} arms, each arm from {start}, {runs[0]['tokens']:,} training tokens, "
         f"{rates}; test loss scored once per arm, when it ended. Data: {config.data} "
         f"({results['splits'][0]['train']['documents']} training documents for seed 0); held-out text found verbatim "
         f"in training (32-byte windows, over the seeds): {split_line}.",
