@@ -53,9 +53,7 @@ logger = logging.getLogger(__name__)
 
 STUDY_FILE, STUDY_YAML, RESULTS_FILE, REPORT_FILE = "study.json", "study.yaml", "results.json", "report.md"
 CURVES_FILE, GAP_FILE, COST_FILE, MIXING_FILE = "curves.png", "gap.png", "cost.json", "mixing.json"
-# Documents shorter than this pack into little of a sequence; longer than this share of a held-out split, one could
-# make up most of it
-SHORTEST_HELD_OUT_DOCUMENT = 256
+# Without --longest-held-out-document: a document longer than this share of a held-out split could make up most of it
 LONGEST_HELD_OUT_SHARE = 0.5
 # A .txt file given as DATA holds its documents separated by blank lines
 BLANK_LINES = re.compile(r"\n\s*\n")
@@ -180,10 +178,11 @@ def content_hash(documents: dict[str, bytes]) -> str:
 
 
 def hold_out_of(config: CompareConfig) -> HoldOut:
+    longest = config.longest_held_out_document or max(1, int(LONGEST_HELD_OUT_SHARE * config.held_out_bytes))
     return HoldOut(
         documents=config.held_out_documents,
         bytes=config.held_out_bytes,
-        document_bytes=(SHORTEST_HELD_OUT_DOCUMENT, max(1, int(LONGEST_HELD_OUT_SHARE * config.held_out_bytes))),
+        document_bytes=(config.shortest_held_out_document, longest),
         max_shared=config.max_shared,
     )
 
@@ -297,7 +296,8 @@ def tokens_per_step(config: CompareConfig) -> int:
 
 def training_config(config: CompareConfig, run: ArmRun, study: Path, processes: int) -> TrainingConfig:
     """The run's `attnres train` options: every rate stated by the study, none inherited."""
-    eval_every = max(1, run.steps // config.evaluations)
+    evaluations = config.grid_evaluations if run.place == "grid" and config.grid_evaluations else config.evaluations
+    eval_every = max(1, run.steps // evaluations)
     folder, arm = run.folder(study), run.arm
     # An arm that trains only the rule's parameters trains them at its rate: what the grid chooses
     attnres_lr = run.lr if config.attnres_lr is None or arm.regime == "attnres" else config.attnres_lr
