@@ -466,13 +466,21 @@ def claimed(study: Path, run: ArmRun, processes: Processes) -> Iterator[bool]:
         yield processes.agree(owner is None)
 
 
-def work_through(config: CompareConfig, study: Path, processes: Processes) -> None:
+def work_through(
+    config: CompareConfig,
+    study: Path,
+    processes: Processes,
+    only: typing.Callable[[ArmRun], bool] | None = None,
+    recorded: typing.Callable[[ArmRun], None] | None = None,
+) -> None:
     """Train every run of the plan that no other worker holds, re-planning after each (a finished grid adds its arm's
-    seeds); wait while the runs left are held by others, until every run is done."""
+    seeds); wait while the runs left are held by others, until every run is done. A caller that drives the study
+    from Python (a preset) may pass `only`, the runs it wants (the others are left out of this call), and
+    `recorded`, called on the main process with each run this worker has trained and recorded."""
     bar = tqdm(desc="Runs of the study", unit="run", disable=not processes.is_main)
     while True:
         # The main process's view, on every process: another worker may finish a run while they look
-        planned = processes.agree(plan(config, study))
+        planned = processes.agree([(run, scored) for run, scored in plan(config, study) if only is None or only(run)])
         pending = processes.agree([(run, scored) for run, scored in planned if not is_done(study, run, scored)])
         bar.total, bar.n = len(planned), len(planned) - len(pending)
         bar.refresh()
@@ -482,6 +490,8 @@ def work_through(config: CompareConfig, study: Path, processes: Processes) -> No
             with claimed(study, run, processes) as ours:
                 if ours:
                     train_and_record(config, study, run, scored, processes)
+                    if recorded is not None and processes.is_main:
+                        recorded(run)
                     break
         else:
             held = ", ".join(run.name for run, _ in pending)
