@@ -886,7 +886,10 @@ def adopt_results(setting: Setting, config: CompareConfig, size: str) -> list[tu
 def record_of_result(result: dict[str, Any], run: ArmRun, scored: bool, path: Path) -> dict[str, Any]:
     """Compare's record of `run` from its result in --results."""
     if result["tokens"] != run.steps * result["tokens_per_step"] or (scored and "test_loss" not in result):
-        raise QualityError(f"{path} is not the run this code plans ({run.steps} steps, test split scored: {scored})")
+        raise QualityError(
+            f"{path} is not the run this code plans ({run.steps} steps, test split scored: {scored}): pass the "
+            "--results folder of runs made with these settings (--smoke's are its own)"
+        )
     record = {"arm": run.arm.name, "rule": run.arm.rule, "train": run.arm.regime, "seed": run.seed,
               "lr": result["lr"], "attnres_lr": result["lr"], "tokens": result["tokens"],
               "validation_loss": final_loss(result), "curve": result["curve"],
@@ -1192,10 +1195,11 @@ def reproduce(
     if committed.get("study") in EVIDENCE_STUDIES:
         folder, tokens_per_step = evidence_reproduced(setting, committed, path, tokens, other_cpu)
     else:
-        seed = committed["seed"]
-        check_corpus(
-            setting, committed, path, lambda kind: corpus_record(setting, kind, seed_split(setting, kind, seed))
-        )
+
+        def record_here(kind: str) -> dict[str, Any]:
+            return corpus_record(setting, kind, seed_split(setting, kind, committed["seed"]))
+
+        check_corpus(setting, committed, path, record_here)
         check_result(committed, path)
         check_kernels(committed, path, other_cpu)
         run = runs.get(committed["id"])
@@ -1324,7 +1328,8 @@ def main(argv: list[str] | None = None) -> int:
         options += f" --corpus {args.corpus}"
     setting = Setting(args.work, args.results, corpus, name, args.smoke, args.threads, options)
     runs = {run.id: run for run in all_runs(args.smoke)}
-    evidence = evidence_ids(setting)
+    # --reproduce finds its run in the file it is given
+    evidence = evidence_ids(setting) if args.reproduce is None else []
     if args.report:
         import quality_report  # the tables and plots; matplotlib only here
 
@@ -1333,7 +1338,7 @@ def main(argv: list[str] | None = None) -> int:
         return quality_report.main(args.results, args.docs, expected, RULES)
     chosen = select(list(runs.values()), args.only)
     chosen_evidence = [run_id for run_id in evidence if matches(run_id, args.only)]
-    if not chosen and not chosen_evidence:
+    if args.reproduce is None and not chosen and not chosen_evidence:
         raise QualityError(f"--only {args.only}: no run matches; run ids look like {evidence[0]}, {chosen[-1].id}")
     if args.list:
         for run_id, label in [(run_id, "evidence protocol (attnres compare)") for run_id in chosen_evidence] + [
