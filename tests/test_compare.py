@@ -23,7 +23,18 @@ import torch
 from scipy import stats
 from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
-from attnres.compare import ArmRun, comparisons, config_from, grid_of, holm, paired_interval, read_study_file, status
+from attnres.compare import (
+    ArmRun,
+    comparisons,
+    config_from,
+    grid_of,
+    hold_out_of,
+    holm,
+    paired_interval,
+    read_study_file,
+    status,
+    training_config,
+)
 from attnres.errors import OptionError
 from attnres.options import Arm, CompareConfig, TrainingConfig
 
@@ -384,7 +395,11 @@ ARM_MISTAKES = {
     "a grid budget without a grid": ({"grid_tokens": 4096}, "add --lr-grid"),
     "a grid of words": ({"lr_grid": "fast,slow"}, "pass comma-separated rates"),
     "a negative rate in the grid": ({"lr_grid": "1e-3,-1e-3"}, "--lr-grid must be a positive number"),
-}
+    "grid evaluations without a grid budget": ({"lr_grid": "1e-3,2e-3", "grid_evaluations": 4}, "add --grid-tokens"),
+    "no grid evaluations": ({"lr_grid": "1e-3", "grid_tokens": 4096, "grid_evaluations": 0}, "at least 1"),
+    "held-out documents longer than none": ({"shortest_held_out_document": 2048, "longest_held_out_document": 1024},
+                                            "below --shortest-held-out-document"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("mistake", ARM_MISTAKES)
@@ -424,6 +439,20 @@ def test_the_grid_chooses_on_validation_and_grows_past_an_edge(tmp_path):
     record_grid(tmp_path, arm, {8e-3: 2.3}, 2)
     record_grid(tmp_path, arm, {1.6e-2: 2.2}, 2)
     assert grid_of(config, tmp_path, arm) == (runs + [ArmRun(arm, 0, 1.6e-2, 2, "grid")], 1.6e-2)  # at most twice
+
+
+def test_held_out_documents_and_grid_evaluations_are_settable(tmp_path):
+    config = CompareConfig(source="m", data="d", output_dir="o", rules="prenorm,block", held_out_bytes=64 * 1024)
+    assert hold_out_of(config).document_bytes == (256, 32 * 1024)  # by default: up to half a split
+    config = dataclasses.replace(config, shortest_held_out_document=1024, longest_held_out_document=16 * 1024)
+    assert hold_out_of(config).document_bytes == (1024, 16 * 1024)
+    # A grid of 612 steps evaluated 12 times, the study's 2980 steps 20 times
+    config = dataclasses.replace(config, lr_grid="1e-3", seq_len=256, batch_size=16, tokens=2980 * 4096,
+                                 grid_tokens=612 * 4096, evaluations=20, grid_evaluations=12)  # fmt: skip
+    arm = config.arms()[1]
+    grid_run, study_run = ArmRun(arm, 0, 1e-3, 612, "grid"), ArmRun(arm, 0, 1e-3, 2980, "runs")
+    assert training_config(config, grid_run, tmp_path, 1).eval_every == 51
+    assert training_config(config, study_run, tmp_path, 1).eval_every == 149
 
 
 def test_a_study_file_gives_the_options_and_the_flags_override_it(tmp_path):

@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from attnres.compare import GRID_EXTENSIONS
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "quality.py"
 SMOKE_RUNS = "sweep-small-*,table4-small-*-seed0,table4-small-*-seed1,convert-tiny-*-seed0,cpt-smollm2-*-seed0"
@@ -347,30 +349,66 @@ def test_speed_ratios_pair_seeds_made_on_the_same_kind_of_cpu():
 
 
 def test_the_evidence_protocol_chooses_on_validation_and_scores_the_test_split_once(tmp_path):
-    """Each long run trains at its own rule's best rate on validation (the grid grown past an edge where the best lay),
-    scores the test split once at its end, and records the splits it used; the test split is disjoint from training
-    and validation."""
+    """The evidence studies run through attnres compare: each long run trains at its own rule's best rate on
+    validation (the grid grown past an edge where the best lay), scores the test split once at its end, and records
+    the splits it used; the test split is disjoint from training and validation. Run again with its results moved
+    to a fresh --work, it trains nothing: compare takes the results as its records."""
     results = tmp_path / "results"
     run_benchmark("--only", "rates-*,long12m-*-seed0", "--work", str(tmp_path / "runs"), "--results", str(results))
     made = {path.stem: json.loads(path.read_text()) for path in results.glob("*.json")}
-    for rule in quality.LONG12M_RULES:
+    assert not any(name.startswith("long12m-") and not name.endswith("-seed0") for name in made)  # --only
+    for rule in quality.EVIDENCE_RULES["small"]:
         rates = [run for run in made.values() if run["study"] == "rates" and run["rule"] == rule]
         grid = sorted(run["lr"] for run in rates)
         best = min(rates, key=quality.final_loss)["lr"]
         assert set(quality.RATE_GRID) <= set(grid)
-        assert best not in (grid[0], grid[-1]) or len(grid) == len(quality.RATE_GRID) + quality.MAX_GRID_EXTENSIONS
+        assert best not in (grid[0], grid[-1]) or len(grid) == len(quality.RATE_GRID) + GRID_EXTENSIONS
         assert all("test_loss" not in run and run["final"] == {} for run in rates)  # choices never see the test split
         long = made[f"long12m-small-{rule}-seed0"]
         assert long["lr"] == best and long["test_loss"] == long["final"]["test"] > 0
         assert set(long["corpus"]["shared_with_train"]) == {"validation", "test"}
         assert long["corpus"]["test"]["sha256"] != long["corpus"]["held_out"]["sha256"]
         assert set(long["cpu_details"]) == {*quality.CPU_FIELDS, "vector_flags"}
-    split = next((tmp_path / "runs" / "splits").glob("*-docs-seed0-three-way"))
+        compare_record = json.loads(
+            (tmp_path / "runs" / "evidence-small" / "runs" / f"{rule}-seed0-lr{best:g}.json").read_text()
+        )
+        assert long["curve"] == compare_record["curve"] and long["test_loss"] == compare_record["test_loss"]
+    split = tmp_path / "runs" / "evidence-small" / "data" / "seed0"
     names = {
         part: {p.relative_to(split / part) for p in (split / part).rglob("*.txt")}
         for part in ("train", "validation", "test")
     }
     assert names["test"] and not names["test"] & (names["train"] | names["validation"])
+    again = run_benchmark("--only", "rates-*,long12m-*-seed0", "--work", str(tmp_path / "again"), "--results",
+                          str(results))  # fmt: skip
+    assert not list((tmp_path / "again" / "evidence-small").rglob("training_config.json")), again.stderr[-2000:]
+
+
+# Committed evidence runs and the tokens reproduced of each: a rate of the grid to its first evaluation, and the
+# first evaluation of a long run of a rule that is the Llama class in the older path and of one that is AttnRes
+COMMITTED_EVIDENCE = {
+    "rates-small-prenorm-lr0.002-seed0": 208_896,
+    "long12m-small-prenorm-seed0": 610_304,
+    "long12m-small-block-seed0": 610_304,
+}
+
+
+@pytest.mark.parametrize("name", COMMITTED_EVIDENCE)
+def test_committed_evidence_runs_reproduce_through_compare_to_the_bit(name, tmp_path):
+    """The committed results of `rates` and `long12m`, made by this script's own run loop before it was a preset of
+    attnres compare, are compare's runs to the bit: the same initial weights, splits, batches and evaluations. Only
+    on the kind of CPU they were made on (the pinned kernels sum in other orders on another)."""
+    path = BENCHMARKS / "results" / f"{name}.json"
+    committed = json.loads(path.read_text())
+    if committed["cpu_details"] != quality.cpu_details():
+        pytest.skip(f"{name} was made on {committed['cpu']}, not this kind of CPU")
+    tokens = COMMITTED_EVIDENCE[name]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--work", str(tmp_path), "--reproduce", str(path), "--reproduce-tokens",
+         str(tokens)], capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [point for point in committed["curve"] if point[0] <= tokens]
 
 
 def test_holm_adjusts_as_the_textbook_does():
