@@ -295,6 +295,7 @@ def attnres(*argv, cwd: Path, debug: bool = False) -> subprocess.CompletedProces
     return child
 
 
+@pytest.mark.slow  # starts the command (convert, eval) in processes of its own
 def test_commands_keep_other_libraries_notices_to_themselves(inputs, tmp_path):
     """Outside a git repository, with DeepSpeed installed on a machine without a GPU: neither DeepSpeed's notice
     that it found no GPU nor the failure of lm-eval's git probe reaches the terminal."""
@@ -306,6 +307,7 @@ def test_commands_keep_other_libraries_notices_to_themselves(inputs, tmp_path):
 
 
 @pytest.mark.skipif(not DEEPSPEED_NOTICE_EXPECTED, reason="DeepSpeed gives its notice on machines without a GPU")
+@pytest.mark.slow  # starts the command (convert, eval) in processes of its own
 def test_debug_shows_other_libraries_notices(inputs, tmp_path):
     child = attnres("convert", inputs / "source", "converted", "--no-verify", cwd=tmp_path, debug=True)
     assert "Setting accelerator to CPU" in child.stdout
